@@ -1,0 +1,481 @@
+"""The paged, device-resident cache of routing rows.
+
+Rows live in one pool tensor ``pages[num_pages, page_size, *row_shape]``. Each request is an
+ordered block map: the blocks it captured itself (``own_pages``, from ``first_block`` on) and,
+before those, prefix blocks that resolve through the published index by block hash. Every
+page is in exactly one state:
+
+- free: in ``_free``;
+- tail / pending / duplicate: owned by one request (partly filled / full without hash /
+  full with a hash that was already published by an earlier page);
+- published: ``_index[key] -> page``, shared. Pins are counted per key (a request pins every
+  hash it is given, ``retain`` pins from outside); a published page whose key has no pin is
+  in ``_evictable``, whose order is the eviction order (oldest first).
+
+Reads walk the block map, so published, pending and tail blocks are one lookup. Host work is
+O(blocks) per call; rows move on the device with one scatter per capture call and one gather
+per read call.
+"""
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from math import prod
+from typing import NamedTuple
+
+import torch
+
+from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy
+from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
+
+POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.int64)
+
+
+class _Request:
+    __slots__ = ("hashes", "first_block", "own_pages", "cursor", "num_settled")
+
+    def __init__(self) -> None:
+        self.hashes: list[bytes] = []  # block i <-> hashes[i]; each one pinned
+        self.first_block: int | None = None  # first block captured by the request itself
+        self.own_pages: list[int] = []  # pages of blocks first_block, first_block + 1, ...
+        self.cursor = 0  # next position to capture
+        self.num_settled = 0  # own full blocks already published (or found duplicate)
+
+    def own_start(self, page_size: int) -> int:
+        return self.cursor if self.first_block is None else self.first_block * page_size
+
+
+class _CapturePlan(NamedTuple):
+    request_id: object
+    request: _Request
+    start: int
+    new_blocks: range
+    source_start: int
+    count: int
+
+
+def _check_request_id(request_id) -> None:
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise RoutedExpertsCacheError(f"request id must be a str or int, got {request_id!r}")
+
+
+def _check_position(name: str, value, request_id) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RoutedExpertsCacheError(f"request {request_id!r}: {name} must be an int, got {value!r}")
+    return value
+
+
+def _format_ranges(ranges: list[tuple[int, int]]) -> str:
+    return " ".join(f"[{a}, {b})" for a, b in ranges) if ranges else "nothing"
+
+
+class RoutedExpertsCache:
+    """Paged cache of MoE routing rows, keyed per request and shared by block hash."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        row_shape: Sequence[int],
+        dtype: torch.dtype = torch.uint8,
+        device: str | torch.device = "cpu",
+        backend: str = "auto",
+    ) -> None:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise RoutedExpertsCacheError(f"{name} must be a positive int, got {value!r}")
+        row_shape = tuple(row_shape)
+        if not row_shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in row_shape):
+            raise RoutedExpertsCacheError(f"row_shape must be positive ints, got {row_shape!r}")
+        if dtype not in POOL_DTYPES:
+            raise RoutedExpertsCacheError(f"dtype must be one of {POOL_DTYPES}, got {dtype!r}")
+        device = torch.device(device)
+        if backend not in ("auto", "triton", "torch"):
+            raise RoutedExpertsCacheError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if backend == "triton" and device.type == "cpu" and not interpreting():
+            raise RoutedExpertsCacheError(
+                "backend='triton' on a CPU device needs TRITON_INTERPRET=1 set before Triton "
+                "kernels are first imported"
+            )
+        self.page_size = page_size
+        self.row_shape = row_shape
+        self.dtype = dtype
+        self.device = device
+        self.backend = backend
+        self.pages = torch.zeros((num_pages, page_size, *row_shape), dtype=dtype, device=device)
+        self._pool_words = as_row_words(self.pages.view(num_pages * page_size, -1))
+        self._copy = load_triton_copy() if backend == "triton" else copy_segments_torch
+        self.generation = 0
+        self._clear()
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def row_nbytes(self) -> int:
+        return prod(self.row_shape) * self.pages.element_size()
+
+    def _clear(self) -> None:
+        self._free: deque[int] = deque(range(self.num_pages))
+        self._index: dict[bytes, int] = {}
+        self._pins: Counter[bytes] = Counter()
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()
+        self._requests: dict[object, _Request] = {}
+        self._counters = Counter()
+
+    # ----------------------------------------------------------------- capture
+
+    def capture(self, request_id, start: int, rows: torch.Tensor) -> None:
+        """Store ``rows[n, *row_shape]`` as positions ``start .. start + n - 1``."""
+        self.capture_many([(request_id, start, rows)])
+
+    def capture_many(self, items: Iterable[tuple[object, int, torch.Tensor]]) -> None:
+        """Validate every item, then write all of them with one device launch."""
+        items = list(items)
+        for request_id, _, rows in items:
+            self._check_rows(request_id, rows)
+        if not items:
+            return
+        source = torch.cat([rows.to(self.device, self.dtype) for _, _, rows in items])
+        spans, offset = [], 0
+        for request_id, start, rows in items:
+            spans.append((request_id, start, offset, rows.shape[0]))
+            offset += rows.shape[0]
+        self.capture_from(source, spans)
+
+    def capture_from(self, source: torch.Tensor, spans: Iterable[tuple[object, int, int, int]]) -> None:
+        """Capture slices of one row tensor: ``(request_id, start, source_start, count)``.
+
+        The batched form the vLLM adapter uses: a step's snapshot is captured where it lies
+        (narrowed once if needed), with one scatter for all requests. All spans are checked
+        before anything is written.
+        """
+        spans = list(spans)
+        self._check_rows("<batch>", source)
+        plans = self._plan_captures(source.shape[0], spans)
+        num_new_pages = sum(len(plan.new_blocks) for plan in plans)
+        if num_new_pages > len(self._free) + len(self._evictable):
+            names = sorted({str(plan.request_id) for plan in plans})
+            raise CacheFullError(
+                f"capture for requests {names} needs {num_new_pages} new pages; only {len(self._free)} "
+                f"free and {len(self._evictable)} evictable of {self.num_pages} (the rest are "
+                f"pinned or owned by live requests)"
+            )
+        if not plans:
+            return
+        seg_start, seg_source_row, seg_target_row = [0], [], []
+        for plan in plans:
+            request = plan.request
+            if request.first_block is None:
+                request.first_block = plan.start // self.page_size
+                self._counters["prefix_hit_rows"] += plan.start
+            request.own_pages.extend(self._allocate_page() for _ in plan.new_blocks)
+            self._requests[plan.request_id] = request
+            position, end, source_row = plan.start, plan.start + plan.count, plan.source_start
+            while position < end:
+                block = position // self.page_size
+                run = min(end, (block + 1) * self.page_size) - position
+                page = request.own_pages[block - request.first_block]
+                seg_source_row.append(source_row)
+                seg_target_row.append(page * self.page_size + position % self.page_size)
+                seg_start.append(seg_start[-1] + run)
+                position += run
+                source_row += run
+            request.cursor = end
+        source_words = as_row_words(source.to(self.device, self.dtype).contiguous())
+        self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
+        self._counters["captured_rows"] += seg_start[-1]
+        for plan in plans:
+            self._settle(plan.request)
+
+    def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
+        """One host-to-device descriptor copy, one kernel launch."""
+        descriptor = torch.tensor(seg_start + seg_source_row + seg_target_row, dtype=torch.int32)
+        descriptor = descriptor.to(self.device, non_blocking=True)
+        n = len(seg_source_row)
+        self._copy(source, target, descriptor[: n + 1], descriptor[n + 1 : 2 * n + 1], descriptor[2 * n + 1 :], seg_start[-1])
+
+    def _check_rows(self, request_id, rows) -> None:
+        if not isinstance(rows, torch.Tensor):
+            raise InvalidCaptureError(f"request {request_id!r}: rows must be a torch.Tensor, got {type(rows).__name__}")
+        if rows.dtype not in _INTEGER_DTYPES:
+            raise InvalidCaptureError(f"request {request_id!r}: rows must be an integer tensor, got {rows.dtype}")
+        if rows.dim() != 1 + len(self.row_shape) or tuple(rows.shape[1:]) != self.row_shape:
+            raise InvalidCaptureError(
+                f"request {request_id!r}: rows must have shape [n, {', '.join(map(str, self.row_shape))}], "
+                f"got {list(rows.shape)}"
+            )
+
+    def _plan_captures(self, num_source_rows: int, spans) -> list["_CapturePlan"]:
+        """Check every span against the request cursors as they will be; change nothing."""
+        plans: list[_CapturePlan] = []
+        simulated: dict[object, tuple[_Request, int | None, int]] = {}
+        for span in spans:
+            if not isinstance(span, tuple) or len(span) != 4:
+                raise InvalidCaptureError(f"a capture span is (request_id, start, source_start, count), got {span!r}")
+            request_id, start, source_start, count = span
+            _check_request_id(request_id)
+            for name, value in (("start", start), ("source_start", source_start), ("count", count)):
+                if _check_position(name, value, request_id) < 0:
+                    raise InvalidCaptureError(f"request {request_id!r}: {name} must be >= 0, got {value}")
+            if source_start + count > num_source_rows:
+                raise InvalidCaptureError(
+                    f"request {request_id!r}: rows [{source_start}, {source_start + count}) exceed the "
+                    f"{num_source_rows} source rows"
+                )
+            if count == 0:
+                continue
+            if request_id not in simulated:
+                request = self._requests.get(request_id) or _Request()
+                simulated[request_id] = (request, request.first_block, request.cursor)
+            request, first_block, cursor = simulated[request_id]
+            if first_block is None:
+                if start % self.page_size:
+                    raise InvalidCaptureError(
+                        f"request {request_id!r}: first capture must start on a page boundary "
+                        f"(page size {self.page_size}), got position {start}"
+                    )
+                first_block, cursor = start // self.page_size, start
+            elif start != cursor:
+                kind = "gap" if start > cursor else "overlap"
+                raise InvalidCaptureError(
+                    f"request {request_id!r}: capture at [{start}, {start + count}) leaves a {kind}; "
+                    f"captured rows are [{first_block * self.page_size}, {cursor}), next position {cursor}"
+                )
+            end = start + count
+            new_blocks = range(-(-cursor // self.page_size), -(-end // self.page_size))
+            plans.append(_CapturePlan(request_id, request, start, new_blocks, source_start, count))
+            simulated[request_id] = (request, first_block, end)
+        return plans
+
+    def _allocate_page(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        key, _ = self._evictable.popitem(last=False)
+        self._counters["evictions"] += 1
+        return self._index.pop(key)
+
+    # ------------------------------------------------------------------ hashes
+
+    def add_block_hashes(self, request_id, hashes: Iterable[bytes]) -> None:
+        """Append block hashes (block i <-> hashes[i]); full captured blocks publish."""
+        _check_request_id(request_id)
+        if isinstance(hashes, (bytes, bytearray, str)):
+            raise InvalidCaptureError(f"request {request_id!r}: hashes must be a sequence of bytes, not one value")
+        hashes = list(hashes)
+        for block_hash in hashes:
+            if not isinstance(block_hash, bytes) or not block_hash:
+                raise InvalidCaptureError(
+                    f"request {request_id!r}: block hashes must be non-empty bytes, got {block_hash!r}"
+                )
+        request = self._requests.setdefault(request_id, _Request())
+        request.hashes.extend(hashes)
+        self._pin(hashes)
+        self._settle(request)
+
+    def retain(self, hashes: Iterable[bytes]) -> None:
+        """Pin published (or future) blocks by hash, independent of any request."""
+        hashes = list(hashes)
+        if any(not isinstance(h, bytes) or not h for h in hashes):
+            raise InvalidCaptureError(f"retained hashes must be non-empty bytes, got {hashes!r}")
+        self._pin(hashes)
+
+    def release(self, hashes: Iterable[bytes]) -> None:
+        """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
+        hashes = list(hashes)
+        missing = [h.hex() for h, n in Counter(hashes).items() if not isinstance(h, bytes) or self._pins[h] < n]
+        if missing:
+            raise RoutedExpertsCacheError(f"release of hashes that are not pinned: {missing}")
+        self._unpin(hashes)
+
+    def _pin(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            self._pins[block_hash] += 1
+            self._evictable.pop(block_hash, None)
+
+    def _unpin(self, hashes: Iterable[bytes]) -> None:
+        for block_hash in hashes:
+            self._pins[block_hash] -= 1
+            if self._pins[block_hash] == 0:
+                del self._pins[block_hash]
+                if block_hash in self._index:
+                    self._evictable[block_hash] = None
+
+    def _settle(self, request: _Request) -> None:
+        """Publish the request's full own blocks whose hashes are known."""
+        if request.first_block is None:
+            return
+        full_blocks = request.cursor // self.page_size
+        while True:
+            block = request.first_block + request.num_settled
+            if block >= full_blocks or block >= len(request.hashes):
+                return
+            block_hash = request.hashes[block]
+            if block_hash not in self._index:
+                self._index[block_hash] = request.own_pages[request.num_settled]
+                self._counters["published_blocks"] += 1
+            request.num_settled += 1
+
+    # -------------------------------------------------------------------- read
+
+    def read(self, request_id, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of a request as a new tensor ``[end - start, *row_shape]``."""
+        return self.read_many([(request_id, start, end)])[0]
+
+    def read_many(self, intervals: Iterable[tuple[object, int, int]]) -> list[torch.Tensor]:
+        """Many intervals with one gather launch; each result is owned (never a pool view)."""
+        packed, offsets = self.read_packed(intervals)
+        return [packed[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+    def read_packed(self, intervals: Iterable[tuple[object, int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """All intervals in one new tensor; interval i is ``packed[offsets[i]:offsets[i+1]]``.
+
+        Every interval is located before anything is copied: a missing row fails the call.
+        """
+        seg_start, seg_source_row, offsets = [0], [], [0]
+        for interval in intervals:
+            if not isinstance(interval, tuple) or len(interval) != 3:
+                raise RangeUnavailableError(f"an interval is (request_id, start, end), got {interval!r}")
+            request_id, start, end = interval
+            for page, first, last in self._locate(request_id, start, end):
+                seg_source_row.append(page * self.page_size + first)
+                seg_start.append(seg_start[-1] + last - first)
+            offsets.append(seg_start[-1])
+        total = seg_start[-1]
+        packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
+        self._copy_on_device(self._pool_words, as_row_words(packed), seg_start, seg_source_row, seg_start[:-1])
+        self._counters["read_rows"] += total
+        return packed, offsets
+
+    def _locate(self, request_id, start, end) -> list[tuple[int, int, int]]:
+        """(page, first row, end row) runs covering [start, end); raise if any row is missing."""
+        _check_request_id(request_id)
+        start = _check_position("start", start, request_id)
+        end = _check_position("end", end, request_id)
+        if not 0 <= start <= end:
+            raise RangeUnavailableError(f"request {request_id!r}: invalid range [{start}, {end})")
+        request = self._requests.get(request_id)
+        if request is None:
+            raise RangeUnavailableError(
+                f"request {request_id!r} is unknown (never captured, or finished); range [{start}, {end})"
+            )
+        if start == end:
+            return []
+        own_start = request.own_start(self.page_size)
+        if end > own_start and end > request.cursor:
+            raise self._unavailable(request_id, request, start, end)
+        runs, size = [], self.page_size
+        for block in range(start // size, (end - 1) // size + 1):
+            if block * size >= own_start:
+                page = request.own_pages[block - request.first_block]
+            else:
+                page = self._index.get(request.hashes[block]) if block < len(request.hashes) else None
+                if page is None:
+                    raise self._unavailable(request_id, request, start, end)
+            runs.append((page, max(start - block * size, 0), min(end - block * size, size)))
+        return runs
+
+    def _unavailable(self, request_id, request: _Request, start: int, end: int) -> RangeUnavailableError:
+        own_start = request.own_start(self.page_size)
+        prefix_blocks = min(len(request.hashes), own_start // self.page_size)
+        ranges: list[tuple[int, int]] = []
+        for block in range(prefix_blocks):
+            if request.hashes[block] in self._index:
+                first = block * self.page_size
+                if ranges and ranges[-1][1] == first:
+                    ranges[-1] = (ranges[-1][0], first + self.page_size)
+                else:
+                    ranges.append((first, first + self.page_size))
+        if request.cursor > own_start:
+            if ranges and ranges[-1][1] == own_start:
+                ranges[-1] = (ranges[-1][0], request.cursor)
+            else:
+                ranges.append((own_start, request.cursor))
+        return RangeUnavailableError(
+            f"request {request_id!r}: range [{start}, {end}) is unavailable; available: {_format_ranges(ranges)} "
+            f"({len(request.hashes)} block hashes known, page size {self.page_size})"
+        )
+
+    # --------------------------------------------------------------- lifecycle
+
+    def finish(self, request_id) -> None:
+        """Drop a request (finish, abort or preemption); unknown ids are a no-op.
+
+        Owned pages are freed; pins are released in reverse block order, so the request's
+        last blocks become the first to be evicted.
+        """
+        _check_request_id(request_id)
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for offset in reversed(range(len(request.own_pages))):
+            page = request.own_pages[offset]
+            block = request.first_block + offset
+            if offset >= request.num_settled or self._index.get(request.hashes[block]) != page:
+                self._free.append(page)
+        self._unpin(reversed(request.hashes))
+
+    def reset(self) -> None:
+        """Drop every request and page; hashes from before never hit again."""
+        self.generation += 1
+        self._clear()
+
+    # ------------------------------------------------------------ introspection
+
+    def page_states(self) -> dict[int, str]:
+        """State of every non-free page: 'tail', 'pending', 'duplicate' or 'published'."""
+        states = {page: "published" for page in self._index.values()}
+        for request in self._requests.values():
+            for offset, page in enumerate(request.own_pages):
+                if offset < request.num_settled:
+                    if states.get(page) != "published":
+                        states[page] = "duplicate"
+                elif (request.first_block + offset + 1) * self.page_size <= request.cursor:
+                    states[page] = "pending"
+                else:
+                    states[page] = "tail"
+        return states
+
+    def stats(self) -> dict[str, int]:
+        counts = Counter(self.page_states().values())
+        return {
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "free": len(self._free),
+            "tail": counts["tail"],
+            "pending": counts["pending"],
+            "duplicate": counts["duplicate"],
+            "published": counts["published"],
+            "evictable": len(self._evictable),
+            "pinned_hashes": len(self._pins),
+            "requests": len(self._requests),
+            "generation": self.generation,
+            "evictions": self._counters["evictions"],
+            "published_blocks": self._counters["published_blocks"],
+            "prefix_hit_rows": self._counters["prefix_hit_rows"],
+            "captured_rows": self._counters["captured_rows"],
+            "read_rows": self._counters["read_rows"],
+        }
+
+    def check_consistency(self) -> None:
+        """Raise if the page accounting is broken (used by the property tests)."""
+        states = self.page_states()
+        free = list(self._free)
+        problems = []
+        if len(set(free)) != len(free) or set(free) & set(states):
+            problems.append("a free page is also in use")
+        if len(free) + len(states) != self.num_pages:
+            problems.append(f"{self.num_pages - len(free) - len(states)} pages are in no state")
+        owners = Counter(p for r in self._requests.values() for p in r.own_pages)
+        if any(n > 1 for n in owners.values()):
+            problems.append("a page is owned by two requests")
+        expected_pins = Counter(h for r in self._requests.values() for h in r.hashes)
+        if any(self._pins[h] < n for h, n in expected_pins.items()):
+            problems.append("a request's hash is not pinned")
+        if set(self._evictable) != {h for h in self._index if self._pins[h] == 0}:
+            problems.append("the evictable set differs from the unpinned published keys")
+        if problems:
+            raise RoutedExpertsCacheError("cache accounting is inconsistent: " + "; ".join(problems))

@@ -1,0 +1,85 @@
+"""Segment copy: the one Triton kernel behind both the cache's gather and its scatter.
+
+Segment ``s`` copies ``n_s = seg_start[s+1] - seg_start[s]`` rows: source rows
+``seg_source_row[s] + j`` to target rows ``seg_target_row[s] + j``. A segment never crosses a
+page, so the host builds one per touched page (O(blocks), never O(rows)).
+
+- gather (read): source = the pool, target = a new packed output (``seg_target_row = seg_start``);
+- scatter (capture): source = the step's snapshot rows, target = the pool.
+
+The grid is sized by rows (``seg_start[-1]``), not by segments or requests: many one-row
+decode segments and one huge prefill segment both fill it. Each row finds its segment by a
+binary search over ``seg_start``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .rows import tile_shape
+
+
+@triton.jit
+def _segment_copy_kernel(
+    source_ptr,
+    target_ptr,
+    seg_start_ptr,
+    seg_source_row_ptr,
+    seg_target_row_ptr,
+    num_segments,
+    total_rows,
+    row_words,
+    ROWS: tl.constexpr,
+    WORDS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < total_rows
+    # Largest s with seg_start[s] <= row; invariant seg_start[lo] <= row < seg_start[hi].
+    lo = tl.zeros_like(rows)
+    hi = lo + num_segments
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(seg_start_ptr + mid) <= rows
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    within = rows - tl.load(seg_start_ptr + lo)
+    source_base = (tl.load(seg_source_row_ptr + lo) + within).to(tl.int64)[:, None] * row_words
+    target_base = (tl.load(seg_target_row_ptr + lo) + within).to(tl.int64)[:, None] * row_words
+    for first_word in range(0, row_words, WORDS):
+        words = first_word + tl.arange(0, WORDS)
+        mask = row_mask[:, None] & (words < row_words)[None, :]
+        values = tl.load(source_ptr + source_base + words[None, :], mask=mask)
+        tl.store(target_ptr + target_base + words[None, :], values, mask=mask)
+
+
+def copy_segments(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_source_row: torch.Tensor,
+    seg_target_row: torch.Tensor,
+    total_rows: int,
+) -> None:
+    """Copy rows between contiguous ``[R, W]`` tensors of one word dtype, in one launch.
+
+    ``seg_start`` (int32, n + 1, from 0 to ``total_rows``), ``seg_source_row`` and
+    ``seg_target_row`` (int32, n) live on the tensors' device.
+    """
+    if total_rows == 0:
+        return
+    num_segments = seg_source_row.shape[0]
+    rows_per_program, word_block = tile_shape(total_rows, source.shape[1])
+    _segment_copy_kernel[(triton.cdiv(total_rows, rows_per_program),)](
+        source,
+        target,
+        seg_start,
+        seg_source_row,
+        seg_target_row,
+        num_segments,
+        total_rows,
+        source.shape[1],
+        ROWS=rows_per_program,
+        WORDS=word_block,
+        SEARCH_STEPS=max(1, num_segments.bit_length()),
+    )
