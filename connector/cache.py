@@ -42,7 +42,9 @@ class _Request:
         self.num_settled = 0  # own full blocks already published (or found duplicate)
 
     def own_start(self, page_size: int) -> int:
-        return self.cursor if self.first_block is None else self.first_block * page_size
+        if self.first_block is None:  # nothing captured yet: every hashed block is a prefix block
+            return len(self.hashes) * page_size
+        return self.first_block * page_size
 
 
 class _CapturePlan(NamedTuple):
@@ -121,7 +123,8 @@ class RoutedExpertsCache:
     def _clear(self) -> None:
         self._free: deque[int] = deque(range(self.num_pages))
         self._index: dict[bytes, int] = {}
-        self._pins: Counter[bytes] = Counter()
+        self._pins: Counter[bytes] = Counter()  # all pins: requests' hashes and retained ones
+        self._retained: Counter[bytes] = Counter()  # pins taken by retain(), for release()
         self._evictable: OrderedDict[bytes, None] = OrderedDict()
         self._requests: dict[object, _Request] = {}
         self._counters = Counter()
@@ -135,8 +138,10 @@ class RoutedExpertsCache:
     def capture_many(self, items: Iterable[tuple[object, int, torch.Tensor]]) -> None:
         """Validate every item, then write all of them with one device launch."""
         items = list(items)
-        for request_id, _, rows in items:
-            self._check_rows(request_id, rows)
+        for item in items:
+            if not isinstance(item, tuple) or len(item) != 3:
+                raise InvalidCaptureError(f"a capture item is (request_id, start, rows), got {item!r}")
+            self._check_rows(item[0], item[2])
         if not items:
             return
         source = torch.cat([rows.to(self.device, self.dtype) for _, _, rows in items])
@@ -158,9 +163,9 @@ class RoutedExpertsCache:
         plans = self._plan_captures(source.shape[0], spans)
         num_new_pages = sum(len(plan.new_blocks) for plan in plans)
         if num_new_pages > len(self._free) + len(self._evictable):
-            names = sorted({str(plan.request_id) for plan in plans})
+            wanted = ", ".join(f"{plan.request_id!r} [{plan.start}, {plan.start + plan.count})" for plan in plans)
             raise CacheFullError(
-                f"capture for requests {names} needs {num_new_pages} new pages; only {len(self._free)} "
+                f"capture of {wanted} needs {num_new_pages} new pages; only {len(self._free)} "
                 f"free and {len(self._evictable)} evictable of {self.num_pages} (the rest are "
                 f"pinned or owned by live requests)"
             )
@@ -281,14 +286,19 @@ class RoutedExpertsCache:
         hashes = list(hashes)
         if any(not isinstance(h, bytes) or not h for h in hashes):
             raise InvalidCaptureError(f"retained hashes must be non-empty bytes, got {hashes!r}")
+        self._retained.update(hashes)
         self._pin(hashes)
 
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
         hashes = list(hashes)
-        missing = [h.hex() for h, n in Counter(hashes).items() if not isinstance(h, bytes) or self._pins[h] < n]
+        if any(not isinstance(h, bytes) or not h for h in hashes):
+            raise InvalidCaptureError(f"released hashes must be non-empty bytes, got {hashes!r}")
+        missing = [h.hex() for h, n in Counter(hashes).items() if self._retained[h] < n]
         if missing:
-            raise RoutedExpertsCacheError(f"release of hashes that are not pinned: {missing}")
+            raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
+        self._retained.subtract(hashes)
+        self._retained += Counter()  # drop zero counts
         self._unpin(hashes)
 
     def _pin(self, hashes: list[bytes]) -> None:
@@ -472,9 +482,9 @@ class RoutedExpertsCache:
         owners = Counter(p for r in self._requests.values() for p in r.own_pages)
         if any(n > 1 for n in owners.values()):
             problems.append("a page is owned by two requests")
-        expected_pins = Counter(h for r in self._requests.values() for h in r.hashes)
-        if any(self._pins[h] < n for h, n in expected_pins.items()):
-            problems.append("a request's hash is not pinned")
+        expected_pins = Counter(h for r in self._requests.values() for h in r.hashes) + self._retained
+        if +self._pins != expected_pins:
+            problems.append("pin counts differ from the requests' hashes plus retained hashes")
         if set(self._evictable) != {h for h in self._index if self._pins[h] == 0}:
             problems.append("the evictable set differs from the unpinned published keys")
         if problems:

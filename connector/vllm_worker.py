@@ -1,0 +1,312 @@
+"""vLLM worker-side AuxOutput connector backed by the device-resident cache.
+
+Drop-in for ``vllm.distributed.aux_output_connector.worker.AuxOutputWorkerConnector``
+(vLLM 0.32 and 0.33): the same hooks (``begin_step``, ``prepare_output`` ->
+``enqueue_cpu_copy`` / ``process_output``, ``close``) and the same output contract
+(``{request_id: AuxRequestOutput(token_start, rows)}``, rows an owned numpy array).
+
+Per output step: the step's snapshot stays on the device; its accepted rows enter the pool
+with one scatter; every emitted interval (this step's rows, or earlier rows after a prefix
+hit, chunked prefill or resume) comes back with one gather and one device-to-host copy.
+Pending blocks (full, hash not known yet, as under 0.33's lookahead hashing) are ordinary
+blocks of the request's block map, so a read across them never fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from threading import Lock
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata, AuxRequestOutput
+from vllm.distributed.parallel_state import get_tp_group
+from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+    RoutedExpertsCapturer,
+    bind_routed_experts_capturer,
+)
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+from .cache import RoutedExpertsCache
+from .errors import RoutedExpertsCacheError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+
+logger = logging.getLogger("vllm.routed_experts_cache")
+
+
+class ConnectorStateError(RoutedExpertsCacheError):
+    """vLLM metadata or step outputs contradict the connector's request state."""
+
+
+@dataclass
+class _RequestState:
+    emit_cursor: int  # first row the client has not received yet
+    capture_cursor: int | None = None  # next row to capture (None before the first capture)
+    scheduled_cursor: int = 0  # end of what the scheduler last ran, drafts included
+    pending_outputs: int = 0  # step outputs in flight that cover this request
+    finished: bool = False  # terminal event seen; teardown waits for pending_outputs == 0
+
+
+@dataclass
+class PendingCacheOutput:
+    """One step's snapshot, kept on the device until the step's output is processed."""
+
+    connector: CacheWorkerConnector
+    request_ids: list[str]
+    token_starts: np.ndarray
+    query_start_loc: np.ndarray
+    snapshot: torch.Tensor
+    num_sampled: np.ndarray | None = None
+    num_rejected: np.ndarray | None = None
+
+    def enqueue_cpu_copy(self, num_sampled: np.ndarray, num_rejected: np.ndarray) -> None:
+        """Keep the acceptance counts (filled by vLLM's async copy); rows stay on the device."""
+        self.num_sampled = num_sampled
+        self.num_rejected = num_rejected
+
+    def process_output(self) -> dict[str, AuxRequestOutput]:
+        return self.connector.process_output(self)
+
+
+def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_concurrent_batches: int) -> int:
+    """Pages for tails and pending blocks, beyond the pages that mirror the KV cache.
+
+    vLLM's own buffer bound: every in-flight step can complete ``ceil(T / page) + S`` blocks
+    before their hashes arrive, and each running request has one tail.
+    """
+    step_blocks = math.ceil(max_num_batched_tokens / page_size) + max_num_seqs
+    return max_concurrent_batches * step_blocks + max_num_seqs
+
+
+class CacheWorkerConnector:
+    """Capture routing rows into the device cache and return each request's rows."""
+
+    def __init__(self, *, vllm_config: VllmConfig, model: torch.nn.Module, kv_cache_config: KVCacheConfig) -> None:
+        scheduler_config = vllm_config.scheduler_config
+        capturer = RoutedExpertsCapturer(
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
+        )
+        bind_routed_experts_capturer(model, capturer)
+        self._capturer = capturer
+        self._cache: RoutedExpertsCache | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._generation = 0
+        self._step_metadata: AuxOutputConnectorMetadata | None = None
+        self._pending_outputs: list[PendingCacheOutput] = []
+        self._max_concurrent_batches = vllm_config.max_concurrent_batches
+        self._lock = Lock()
+        self._stream = None
+        # Every TP rank captures (the capture may all-gather); only the first keeps data.
+        if not get_tp_group().is_first_rank:
+            return
+        scheduler_block_size, page_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        row_shape = tuple(capturer.shape_per_token)
+        device = capturer.device_buffer.device
+        page_nbytes = page_size * math.prod(row_shape) * capturer.output_dtype.itemsize
+        working_set = working_set_pages(
+            page_size, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+            vllm_config.max_concurrent_batches,
+        )
+        max_bytes = vllm_config.aux_output_config.max_bytes
+        if max_bytes is None:
+            shared_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
+        else:
+            shared_pages = max_bytes // page_nbytes
+        self._cache = RoutedExpertsCache(
+            shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype, device=device
+        )
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=device)
+        logger.info(
+            "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
+            "(%.1f MiB, rows %s %s, backend %s)",
+            device, self._cache.num_pages, page_size, self._cache.pages.nbytes / 2**20, row_shape,
+            capturer.output_dtype, self._cache.backend,
+        )
+
+    @property
+    def cache(self) -> RoutedExpertsCache | None:
+        return self._cache
+
+    # ---------------------------------------------------------- model thread
+
+    def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
+        """Apply one scheduler step's requests, block hashes, pins and terminal events."""
+        self._step_metadata = metadata
+        if self._cache is None or metadata is None:
+            return
+        both = metadata.requests.keys() & set(metadata.finished_requests)
+        if both:
+            raise ConnectorStateError(f"requests {sorted(both)} are scheduled and finished in one step")
+        if metadata.generation < self._generation:
+            raise ConnectorStateError(
+                f"metadata generation went backwards: {metadata.generation} < {self._generation}"
+            )
+        with self._lock:
+            if metadata.generation > self._generation:
+                # vLLM resets the prefix cache only once all output is consumed; the pins of
+                # this metadata belong to the old generation and are dropped with it.
+                if self._pending_outputs:
+                    raise ConnectorStateError(
+                        f"generation changed to {metadata.generation} with "
+                        f"{len(self._pending_outputs)} step outputs in flight"
+                    )
+                self._cache.reset()
+                self._requests.clear()
+                self._generation = metadata.generation
+            else:
+                retained = getattr(metadata, "retained_block_hashes", None)
+                released = getattr(metadata, "released_block_hashes", None)
+                self._cache.retain(list(retained or ()))
+                self._cache.release(list(released or ()))
+            for request_id, emit_start in metadata.requests.items():
+                state = self._requests.setdefault(request_id, _RequestState(emit_cursor=emit_start))
+                if state.finished:
+                    raise ConnectorStateError(
+                        f"request {request_id!r} was scheduled again before its teardown completed"
+                    )
+                if state.pending_outputs == 0 and emit_start > state.emit_cursor:
+                    raise ConnectorStateError(
+                        f"request {request_id!r}: scheduler emit start {emit_start} is ahead of the "
+                        f"rows delivered so far ({state.emit_cursor})"
+                    )
+            for request_id, packed_hashes in metadata.block_hashes.items():
+                if request_id not in self._requests:
+                    raise ConnectorStateError(f"block hashes for unknown request {request_id!r}")
+                self._cache.add_block_hashes(request_id, list(packed_hashes))
+            for request_id in metadata.finished_requests:
+                state = self._requests.get(request_id)
+                if state is None:
+                    continue
+                state.finished = True
+                if state.pending_outputs == 0:
+                    self._teardown(request_id)
+
+    def prepare_output(self, input_batch: InputBatch) -> PendingCacheOutput | None:
+        """Keep this step's routing snapshot (device) for ``process_output``."""
+        if self._cache is None or self._step_metadata is None:
+            return None
+        request_ids = list(input_batch.req_ids)
+        query_start_loc = np.array(input_batch.query_start_loc_np[: len(request_ids) + 1])
+        pending = PendingCacheOutput(
+            connector=self,
+            request_ids=request_ids,
+            token_starts=np.array(input_batch.num_computed_tokens_np[: len(request_ids)]),
+            query_start_loc=query_start_loc,
+            snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
+        )
+        with self._lock:
+            if len(self._pending_outputs) >= self._max_concurrent_batches:
+                raise ConnectorStateError(
+                    f"{len(self._pending_outputs)} step outputs are in flight, more than "
+                    f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
+                )
+            unknown = [r for r in request_ids if r not in self._requests]
+            if unknown:
+                raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
+            self._pending_outputs.append(pending)
+            for request_id in request_ids:
+                self._requests[request_id].pending_outputs += 1
+        return pending
+
+    # --------------------------------------------------------- output thread
+
+    def process_output(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
+        """Capture one step's accepted rows and return each request's new rows.
+
+        Steps are processed in order. A request whose terminal event arrived while this
+        step was in flight is torn down here.
+        """
+        with self._lock:
+            try:
+                if self._stream is None:
+                    return self._commit(pending)
+                with torch.cuda.stream(self._stream):
+                    return self._commit(pending)
+            finally:
+                if pending in self._pending_outputs:
+                    self._pending_outputs.remove(pending)
+                for request_id in pending.request_ids:
+                    state = self._requests.get(request_id)
+                    if state is None:
+                        continue
+                    state.pending_outputs -= 1
+                    if state.finished and state.pending_outputs == 0:
+                        self._teardown(request_id)
+
+    def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
+        if pending.num_sampled is None or pending.num_rejected is None:
+            raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
+        spans, emits, updates = [], [], []
+        for request_id, token_start, start, end, sampled, rejected in zip(
+            pending.request_ids,
+            pending.token_starts.tolist(),
+            pending.query_start_loc[:-1].tolist(),
+            pending.query_start_loc[1:].tolist(),
+            pending.num_sampled.tolist(),
+            pending.num_rejected.tolist(),
+            strict=True,
+        ):
+            state = self._requests[request_id]
+            num_rows = end - start
+            if num_rows <= 0 or not 0 <= rejected <= num_rows:
+                raise ConnectorStateError(
+                    f"request {request_id!r}: invalid step rows ({num_rows} scheduled, {rejected} rejected)"
+                )
+            capture_start = token_start
+            cursor = state.capture_cursor if state.capture_cursor is not None else capture_start
+            if capture_start < cursor:
+                raise ConnectorStateError(
+                    f"request {request_id!r}: capture moved backwards to {capture_start}, rows up to "
+                    f"{cursor} are captured"
+                )
+            if capture_start > cursor:
+                # Async scheduling assumed every draft was accepted; re-attach at the cursor.
+                if cursor >= state.scheduled_cursor:
+                    raise ConnectorStateError(
+                        f"request {request_id!r}: rows [{cursor}, {capture_start}) were never scheduled"
+                    )
+                capture_start = cursor
+            token_end = capture_start + num_rows - rejected
+            spans.append((request_id, capture_start, start, num_rows - rejected))
+            if sampled > 0 and state.emit_cursor <= token_end:
+                emits.append((request_id, state.emit_cursor, token_end))
+            updates.append((state, token_end, token_start + num_rows))
+        self._cache.capture_from(pending.snapshot, spans)
+        for state, token_end, scheduled_end in updates:
+            state.capture_cursor = token_end
+            state.scheduled_cursor = scheduled_end
+        packed, offsets = self._cache.read_packed(emits)
+        host_rows = packed.cpu().numpy()
+        for request_id, _, token_end in emits:
+            self._requests[request_id].emit_cursor = token_end
+        return {
+            request_id: AuxRequestOutput(emit_start, host_rows[offsets[i] : offsets[i + 1]])
+            for i, (request_id, emit_start, _) in enumerate(emits)
+        }
+
+    def _teardown(self, request_id: str) -> None:
+        del self._requests[request_id]
+        self._cache.finish(request_id)
+
+    def close(self) -> None:
+        with self._lock:
+            self._pending_outputs.clear()
+            self._requests.clear()
+            self._cache = None
+
+
+def get_aux_output_connector(
+    model: torch.nn.Module, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> CacheWorkerConnector:
+    """Factory with the signature of vLLM's ``get_aux_output_connector``."""
+    return CacheWorkerConnector(model=model, vllm_config=vllm_config, kv_cache_config=kv_cache_config)

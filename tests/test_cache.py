@@ -1,0 +1,837 @@
+"""The public API of ``routed_experts_cache.connector``: RoutedExpertsCache and its errors.
+
+Every cache test runs on both copy backends ("torch", and "triton" under the interpreter; see
+the ``backend`` fixture in conftest.py). Expected rows are always the rows the test captured
+(narrowed to the pool dtype), never something read back from the cache.
+"""
+
+import hashlib
+
+import pytest
+import torch
+
+from routed_experts_cache.connector import (
+    CacheFullError,
+    InvalidCaptureError,
+    RangeUnavailableError,
+    RoutedExpertsCache,
+    RoutedExpertsCacheError,
+)
+
+ROW = (3, 2)
+STATE_KEYS = ("free", "tail", "pending", "duplicate", "published", "evictable")
+
+
+def rand_rows(gen, n, high=256, row_shape=ROW, dtype=torch.int64):
+    return torch.randint(0, high, (n, *row_shape), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def h(tag, block) -> bytes:
+    return f"{tag}/{block}".encode()
+
+
+def u8(rows):
+    return rows.to(torch.uint8)
+
+
+def states(cache, *keys):
+    s = cache.stats()
+    return {k: s[k] for k in (keys or STATE_KEYS)}
+
+
+def assert_rows(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(actual, expected), f"rows differ:\n{actual}\n!=\n{expected}"
+
+
+def assert_unavailable(cache, request_id, start, end):
+    with pytest.raises(RangeUnavailableError) as excinfo:
+        cache.read(request_id, start, end)
+    assert repr(request_id) in str(excinfo.value) and f"[{start}, {end})" in str(excinfo.value)
+
+
+def assert_accounting(cache):
+    cache.check_consistency()
+    s = cache.stats()
+    assert sum(s[k] for k in ("free", "tail", "pending", "duplicate", "published")) == s["num_pages"]
+    assert s["evictable"] <= s["published"]
+
+
+# ------------------------------------------------------------------ seed regressions
+
+
+def test_seed_a_lookahead_1_pending_block_published_when_its_hash_arrives(make_cache, gen):
+    cache = make_cache(8)
+    rows = rand_rows(gen, 8)
+    cache.capture("a", 0, rows[:4])
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.capture("a", 4, rows[4:])
+    assert_rows(cache.read("a", 0, 8), u8(rows))
+    assert states(cache) == dict(free=6, tail=0, pending=1, duplicate=0, published=1, evictable=0)
+
+    # a second request that already knows both hashes cannot use the pending block yet
+    cache.add_block_hashes("b", [h("p", 0), h("p", 1)])
+    rows_b = rand_rows(gen, 2)
+    cache.capture("b", 8, rows_b)
+    assert_rows(cache.read("b", 0, 4), u8(rows[:4]))
+    assert_unavailable(cache, "b", 0, 10)
+
+    cache.add_block_hashes("a", [h("p", 1)])
+    assert states(cache) == dict(free=5, tail=1, pending=0, duplicate=0, published=2, evictable=0)
+    assert cache.stats()["published_blocks"] == 2
+    assert_rows(cache.read("b", 0, 10), u8(torch.cat([rows, rows_b])))
+
+    cache.add_block_hashes("c", [h("p", 0), h("p", 1)])
+    rows_c = rand_rows(gen, 3)
+    cache.capture("c", 8, rows_c)
+    assert_rows(cache.read("c", 0, 11), u8(torch.cat([rows, rows_c])))
+    assert_rows(cache.read("c", 3, 9), u8(torch.cat([rows, rows_c])[3:9]))
+    assert cache.stats()["prefix_hit_rows"] == 16
+    assert_rows(cache.read("a", 0, 8), u8(rows))
+    assert_accounting(cache)
+
+
+def test_seed_b_lookahead_2_published_pending_and_one_row_tail(make_cache, gen):
+    cache = make_cache(8)
+    rows = rand_rows(gen, 9)
+    cache.capture("a", 0, rows[:4])
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.capture("a", 4, rows[4:9])
+    assert states(cache) == dict(free=5, tail=1, pending=1, duplicate=0, published=1, evictable=0)
+    assert_rows(cache.read("a", 4, 9), u8(rows[4:9]))
+    assert_rows(cache.read("a", 1, 9), u8(rows[1:9]))
+    assert_rows(cache.read("a", 8, 9), u8(rows[8:9]))
+    assert_rows(cache.read("a", 0, 9), u8(rows))
+    assert_unavailable(cache, "a", 1, 10)
+    assert_accounting(cache)
+
+
+def test_seed_c_prefix_hit_from_finished_request_then_pending_and_tail(make_cache, gen):
+    cache = make_cache(8)
+    rows_a = rand_rows(gen, 8)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("p", 0), h("a", 1)])
+    cache.finish("a")
+    assert states(cache, "free", "published", "evictable") == dict(free=6, published=2, evictable=2)
+
+    cache.add_block_hashes("b", [h("p", 0)])
+    rows_b = rand_rows(gen, 7)  # positions [4, 11): a full pending block and a 3-row tail
+    cache.capture("b", 4, rows_b)
+    expected = u8(torch.cat([rows_a[:4], rows_b]))
+    assert_rows(cache.read("b", 0, 11), expected)
+    assert_rows(cache.read("b", 2, 6), expected[2:6])
+    assert_rows(cache.read("b", 0, 4), expected[:4])
+    assert states(cache) == dict(free=4, tail=1, pending=1, duplicate=0, published=2, evictable=1)
+    assert cache.stats()["prefix_hit_rows"] == 4
+    assert_unavailable(cache, "b", 0, 12)
+    assert_accounting(cache)
+
+
+def test_seed_d_returned_tensors_survive_reuse_of_every_page(make_cache, gen):
+    cache = make_cache(6)
+    rows_a, rows_b = rand_rows(gen, 10), rand_rows(gen, 5)
+    cache.capture("a", 0, rows_a[:6])
+    cache.capture_many([("a", 6, rows_a[6:]), ("b", 0, rows_b)])
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+    single_page = cache.read("a", 4, 8)
+    one_row = cache.read("a", 5, 6)
+    whole = cache.read("a", 0, 10)
+    many = cache.read_many([("a", 1, 9), ("b", 0, 5), ("a", 8, 10), ("b", 2, 2)])
+    packed, offsets = cache.read_packed([("b", 2, 5), ("a", 0, 3)])
+    pool_before = cache.pages.clone()
+    cache.finish("a")
+    cache.finish("b")
+
+    for k in range(3):  # each fills the whole pool; published pages must be evicted
+        cache.capture(f"fill{k}", 0, rand_rows(gen, 24))
+        cache.add_block_hashes(f"fill{k}", [h(f"fill{k}", i) for i in range(6)])
+        cache.finish(f"fill{k}")
+    assert cache.stats()["evictions"] >= 8
+    changed = (cache.pages != pool_before).flatten(1).any(1)
+    assert bool(changed.all()), "every page must have been overwritten"
+
+    a, b = u8(rows_a), u8(rows_b)
+    assert_rows(single_page, a[4:8])
+    assert_rows(one_row, a[5:6])
+    assert_rows(whole, a)
+    assert [t.shape[0] for t in many] == [8, 5, 2, 0]
+    for got, want in zip(many, [a[1:9], b, a[8:10], b[2:2]]):
+        assert_rows(got, want)
+    assert offsets == [0, 3, 6]
+    assert_rows(packed, torch.cat([b[2:5], a[0:3]]))
+    assert_unavailable(cache, "a", 0, 1)
+    assert_accounting(cache)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.uint8, torch.uint16, torch.int32], ids=str)
+@pytest.mark.parametrize("row_dtype", [torch.int64, torch.int32, torch.uint8], ids=str)
+def test_rows_of_any_integer_dtype_are_stored_narrowed_to_the_pool_dtype(make_cache, gen, pool_dtype, row_dtype):
+    limits = {torch.uint8: 256, torch.uint16: 1 << 16, torch.int32: 1 << 31, torch.int64: 1 << 40}
+    high = min(limits[pool_dtype], limits[row_dtype])
+    values = rand_rows(gen, 7, high=high)
+    values[0, 0, 0] = high - 1  # the largest value both dtypes hold
+    cache = make_cache(4, dtype=pool_dtype)
+    cache.capture("a", 0, values.to(row_dtype))
+    out = cache.read("a", 0, 7)
+    assert out.dtype == pool_dtype == cache.pages.dtype
+    assert out.device == cache.pages.device == torch.device("cpu")
+    assert out.shape == (7, *ROW)
+    assert torch.equal(out.to(torch.int64), values)
+    assert cache.pages.element_size() == torch.empty((), dtype=pool_dtype).element_size()
+
+
+def test_int32_pool_keeps_negative_and_large_values(make_cache, gen):
+    cache = make_cache(4, dtype=torch.int32, row_shape=(5,))
+    values = torch.randint(-(2**31), 2**31 - 1, (6, 5), generator=gen, dtype=torch.int64)
+    cache.capture("a", 0, values)
+    assert torch.equal(cache.read("a", 0, 6).to(torch.int64), values)
+
+
+@pytest.mark.parametrize("row_shape", [(3, 1), (2, 2), (61, 8)], ids=str)
+def test_odd_row_sizes_round_trip(make_cache, gen, row_shape):
+    cache = make_cache(6, row_shape=row_shape)
+    rows = rand_rows(gen, 13, row_shape=row_shape)
+    cache.capture_many([("a", 0, rows[:5]), ("b", 0, rows[5:])])
+    cache.capture("a", 5, rows[:2])
+    assert_rows(cache.read("a", 0, 7), u8(torch.cat([rows[:5], rows[:2]])))
+    assert_rows(cache.read("b", 3, 8), u8(rows[8:13]))
+
+
+def test_results_never_alias_the_pool(make_cache, gen):
+    cache = make_cache(4)
+    rows = rand_rows(gen, 6)
+    cache.capture("a", 0, rows)
+    pool = cache.pages.untyped_storage()
+    pool_range = range(pool.data_ptr(), pool.data_ptr() + pool.nbytes())
+    out = cache.read("a", 0, 6)
+    many = cache.read_many([("a", 0, 4), ("a", 4, 6)])
+    packed, _ = cache.read_packed([("a", 1, 5)])
+    for result in [out, packed, *many]:
+        assert result.untyped_storage().data_ptr() != pool.data_ptr()
+        assert result.untyped_storage().data_ptr() not in pool_range
+        result.add_(1)
+    out.zero_()
+    assert_rows(cache.read("a", 0, 6), u8(rows))
+    assert_rows(cache.read("a", 0, 4), u8(rows[:4]))
+
+
+def test_empty_reads_and_captures(make_cache, gen):
+    cache = make_cache(4)
+    rows = rand_rows(gen, 5)
+    cache.capture("a", 0, rows)
+    before = cache.stats()
+    empty = cache.read("a", 3, 3)
+    assert empty.shape == (0, *ROW) and empty.dtype == torch.uint8
+    assert cache.read_many([]) == []
+    packed, offsets = cache.read_packed([])
+    assert packed.shape == (0, *ROW) and offsets == [0]
+    cache.capture_many([])
+    cache.capture("z", 2, rand_rows(gen, 0))  # nothing to capture: not even the alignment matters
+    assert cache.stats() == before
+    assert_unavailable(cache, "z", 0, 1)
+
+
+def test_one_device_launch_per_batched_call(make_cache, gen):
+    cache = make_cache(8)
+    calls = []
+    copy = cache._copy
+    cache._copy = lambda *args: (calls.append(args[-1]), copy(*args))
+    rows = rand_rows(gen, 11)
+    cache.capture_many([("a", 0, rows[:5]), ("b", 0, rows[5:9]), ("c", 4, rows[9:])])
+    assert calls == [11]
+    out = cache.read_many([("a", 1, 5), ("b", 0, 4), ("c", 4, 6), ("a", 0, 2)])
+    assert calls == [11, 12]
+    assert_rows(torch.cat(out), u8(torch.cat([rows[1:5], rows[5:9], rows[9:], rows[:2]])))
+
+
+# ----------------------------------------------------------------- batched capture
+
+
+BAD_SECOND_ITEMS = {
+    "wrong_shape": (lambda r: ("b", 0, torch.zeros(2, 2, 3, dtype=torch.int64)), InvalidCaptureError),
+    "float_rows": (lambda r: ("b", 0, torch.zeros(2, *ROW)), InvalidCaptureError),
+    "gap_in_same_call": (lambda r: ("a", 8, r), InvalidCaptureError),
+    "overlap_in_same_call": (lambda r: ("a", 2, r), InvalidCaptureError),
+    "gap_of_existing_request": (lambda r: ("x", 5, r), InvalidCaptureError),
+    "unaligned_new_request": (lambda r: ("b", 1, r), InvalidCaptureError),
+    "negative_start": (lambda r: ("b", -4, r), InvalidCaptureError),
+    "bad_request_id": (lambda r: (None, 0, r), RoutedExpertsCacheError),
+    "cache_full": (lambda r: ("b", 0, torch.cat([r] * 5)), CacheFullError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SECOND_ITEMS))
+def test_capture_many_validates_every_item_before_writing(make_cache, gen, case):
+    cache = make_cache(6)
+    rows_x = rand_rows(gen, 4)
+    cache.capture("x", 0, rows_x)
+    rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)
+    make_bad, error = BAD_SECOND_ITEMS[case]
+    before, pool = cache.stats(), cache.pages.clone()
+    with pytest.raises(error) as excinfo:
+        cache.capture_many([("a", 0, rows_a), make_bad(rows_b)])
+    assert type(excinfo.value) is error
+    assert cache.stats() == before
+    assert torch.equal(cache.pages, pool)
+    assert_unavailable(cache, "a", 0, 4)
+    assert_rows(cache.read("x", 0, 4), u8(rows_x))
+    assert_accounting(cache)
+    # nothing moved: the same captures, done right, land where they would have
+    cache.capture_many([("a", 0, rows_a), ("x", 4, rows_b)])
+    assert_rows(cache.read("a", 0, 4), u8(rows_a))
+    assert_rows(cache.read("x", 0, 8), u8(torch.cat([rows_x, rows_b])))
+
+
+def test_capture_from_spans_of_one_source_with_gaps(make_cache, gen):
+    cache = make_cache(8)
+    source = rand_rows(gen, 13)
+    cache.capture_from(
+        source,
+        [
+            ("a", 0, 0, 3),
+            ("b", 0, 3, 2),
+            ("a", 3, 6, 2),  # source row 5 is a rejected speculative row
+            ("c", 4, 8, 4),
+            ("d", 1, 12, 0),  # empty span: ignored, however unaligned
+            ("b", 2, 12, 1),
+        ],
+    )
+    s = u8(source)
+    assert_rows(cache.read("a", 0, 5), torch.cat([s[0:3], s[6:8]]))
+    assert_rows(cache.read("b", 0, 3), torch.cat([s[3:5], s[12:13]]))
+    assert_rows(cache.read("c", 4, 8), s[8:12])
+    assert_unavailable(cache, "d", 0, 1)
+    assert cache.stats()["captured_rows"] == 12
+    assert states(cache, "free", "tail", "pending") == dict(free=4, tail=2, pending=2)
+    # a later step continues from the cursors
+    source2 = rand_rows(gen, 4)
+    cache.capture_from(source2, [("a", 5, 1, 3), ("c", 8, 0, 1)])
+    assert_rows(cache.read("a", 0, 8), torch.cat([s[0:3], s[6:8], u8(source2[1:4])]))
+    assert_rows(cache.read("c", 4, 9), torch.cat([s[8:12], u8(source2[0:1])]))
+    assert_accounting(cache)
+
+
+# ------------------------------------------------------------------------ errors
+
+
+def _populated(make_cache, gen):
+    """a: [0, 10) with blocks 0, 1 published; b: 3-row tail; p: first capture at 4 with an
+    unpublished hash for block 0; q: first capture at 4 without hashes. 2 pages free."""
+    cache = make_cache(8)
+    rows = {"a": rand_rows(gen, 10), "b": rand_rows(gen, 3), "p": rand_rows(gen, 2), "q": rand_rows(gen, 2)}
+    cache.capture("a", 0, rows["a"][:8])
+    cache.capture("a", 8, rows["a"][8:])
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+    cache.capture("b", 0, rows["b"])
+    cache.add_block_hashes("p", [b"never-published"])
+    cache.capture_many([("p", 4, rows["p"]), ("q", 4, rows["q"])])
+    intervals = [("a", 0, 10), ("b", 0, 3), ("p", 4, 6), ("q", 4, 6)]
+    expected = [u8(rows["a"]), u8(rows["b"]), u8(rows["p"]), u8(rows["q"])]
+    return cache, intervals, expected
+
+
+def _r(n):
+    return torch.arange(n * 6, dtype=torch.int64).view(n, *ROW) % 251
+
+
+ERROR_CASES = {
+    "read_unknown_request": (lambda c: c.read("zz", 0, 4), RangeUnavailableError, ["'zz'", "[0, 4)", "unknown"]),
+    "read_unknown_int_request": (lambda c: c.read(17, 2, 3), RangeUnavailableError, ["17", "[2, 3)", "unknown"]),
+    "read_beyond_cursor": (lambda c: c.read("a", 4, 11), RangeUnavailableError, ["'a'", "[4, 11)", "available: [0, 10)"]),
+    "read_many_one_bad_interval": (
+        lambda c: c.read_many([("a", 0, 4), ("b", 1, 4)]),
+        RangeUnavailableError,
+        ["'b'", "[1, 4)", "available: [0, 3)"],
+    ),
+    "read_prefix_hash_unknown_to_index": (
+        lambda c: c.read("p", 0, 6),
+        RangeUnavailableError,
+        ["'p'", "[0, 6)", "available: [4, 6)", "1 block hashes"],
+    ),
+    "read_prefix_without_hash": (
+        lambda c: c.read("q", 3, 5),
+        RangeUnavailableError,
+        ["'q'", "[3, 5)", "available: [4, 6)", "0 block hashes"],
+    ),
+    "read_start_after_end": (lambda c: c.read("a", 5, 3), RangeUnavailableError, ["'a'", "[5, 3)"]),
+    "read_negative_start": (lambda c: c.read("a", -1, 3), RangeUnavailableError, ["'a'", "[-1, 3)"]),
+    "read_float_end": (lambda c: c.read("a", 0, 2.0), RoutedExpertsCacheError, ["'a'", "end", "2.0"]),
+    "read_bad_interval_tuple": (lambda c: c.read_many([("a", 0)]), RangeUnavailableError, ["('a', 0)"]),
+    "capture_gap": (
+        lambda c: c.capture("a", 11, _r(1)),
+        InvalidCaptureError,
+        ["'a'", "[11, 12)", "gap", "[0, 10)", "next position 10"],
+    ),
+    "capture_overlap": (lambda c: c.capture("a", 9, _r(2)), InvalidCaptureError, ["'a'", "[9, 11)", "overlap"]),
+    "capture_before_first_block": (
+        lambda c: c.capture("q", 0, _r(4)),
+        InvalidCaptureError,
+        ["'q'", "[0, 4)", "overlap", "[4, 6)"],
+    ),
+    "capture_unaligned_first": (
+        lambda c: c.capture("n", 2, _r(1)),
+        InvalidCaptureError,
+        ["'n'", "page boundary", "page size 4", "position 2"],
+    ),
+    "capture_negative_start": (lambda c: c.capture("n", -4, _r(4)), InvalidCaptureError, ["'n'", "start", "-4"]),
+    "capture_wrong_row_shape": (
+        lambda c: c.capture("a", 10, torch.zeros(2, 2, 3, dtype=torch.int64)),
+        InvalidCaptureError,
+        ["'a'", "[n, 3, 2]", "[2, 2, 3]"],
+    ),
+    "capture_missing_row_dim": (
+        lambda c: c.capture("a", 10, torch.zeros(3, 2, dtype=torch.int64)),
+        InvalidCaptureError,
+        ["'a'", "[n, 3, 2]", "[3, 2]"],
+    ),
+    "capture_float_rows": (
+        lambda c: c.capture("a", 10, torch.zeros(2, *ROW)),
+        InvalidCaptureError,
+        ["'a'", "integer", "float32"],
+    ),
+    "capture_bool_rows": (
+        lambda c: c.capture("a", 10, torch.zeros(2, *ROW, dtype=torch.bool)),
+        InvalidCaptureError,
+        ["'a'", "bool"],
+    ),
+    "capture_not_a_tensor": (lambda c: c.capture("a", 10, [[0] * 6]), InvalidCaptureError, ["'a'", "list"]),
+    "capture_from_span_beyond_source": (
+        lambda c: c.capture_from(_r(3), [("a", 10, 2, 2)]),
+        InvalidCaptureError,
+        ["'a'", "[2, 4)", "3 source rows"],
+    ),
+    "capture_bad_request_id": (lambda c: c.capture(3.5, 0, _r(4)), RoutedExpertsCacheError, ["3.5"]),
+    "capture_cache_full": (
+        lambda c: c.capture("n", 0, _r(12)),
+        CacheFullError,
+        ["'n'", "[0, 12)", "3 new pages", "2 free", "0 evictable"],
+    ),
+    "capture_many_cache_full_across_items": (
+        lambda c: c.capture_many([("n", 0, _r(4)), ("a", 10, _r(2)), ("m", 0, _r(5))]),
+        CacheFullError,
+        ["'n' [0, 4)", "'m' [0, 5)", "'a' [10, 12)", "3 new pages"],
+    ),
+    "hash_not_bytes": (lambda c: c.add_block_hashes("a", ["a/2"]), InvalidCaptureError, ["'a'", "'a/2'"]),
+    "hash_bytearray": (
+        lambda c: c.add_block_hashes("a", [bytearray(b"a/2")]),
+        InvalidCaptureError,
+        ["'a'", "bytearray"],
+    ),
+    "hash_empty": (lambda c: c.add_block_hashes("b", [b""]), InvalidCaptureError, ["'b'", "b''"]),
+    "hashes_as_one_bytes_value": (lambda c: c.add_block_hashes("a", b"a/2"), InvalidCaptureError, ["'a'", "sequence"]),
+    "hash_bad_on_new_request": (
+        lambda c: c.add_block_hashes("new", [b"fine", 7]),
+        InvalidCaptureError,
+        ["'new'", "7"],
+    ),
+    "retain_not_bytes": (lambda c: c.retain([b"ok", "no"]), InvalidCaptureError, ["'no'"]),
+    "release_not_pinned": (lambda c: c.release([b"never"]), RoutedExpertsCacheError, [b"never".hex()]),
+    "release_more_than_pinned": (
+        lambda c: c.release([h("a", 1), h("a", 1)]),
+        RoutedExpertsCacheError,
+        [h("a", 1).hex()],
+    ),
+    "release_not_bytes": (lambda c: c.release(["a/0"]), InvalidCaptureError, ["'a/0'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_refused_call_names_the_problem_and_changes_nothing(make_cache, gen, case):
+    cache, intervals, expected = _populated(make_cache, gen)
+    call, error, needles = ERROR_CASES[case]
+    for got, want in zip(cache.read_many(intervals), expected):
+        assert_rows(got, want)
+    before_stats, before_states, before_pool = cache.stats(), cache.page_states(), cache.pages.clone()
+    with pytest.raises(error) as excinfo:
+        call(cache)
+    assert type(excinfo.value) is error and isinstance(excinfo.value, ValueError)
+    message = str(excinfo.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert cache.stats() == before_stats
+    assert cache.page_states() == before_states
+    assert torch.equal(cache.pages, before_pool)
+    for got, want in zip(cache.read_many(intervals), expected):
+        assert_rows(got, want)
+    assert_accounting(cache)
+    for request_id in ("n", "m", "new", "zz", 17):
+        assert_unavailable(cache, request_id, 0, 0)
+    # cursors did not move: the next rows of 'a' go exactly at position 10
+    rows = rand_rows(gen, 2)
+    cache.capture("a", 10, rows)
+    assert_rows(cache.read("a", 0, 12), torch.cat([expected[0], u8(rows)]))
+
+
+def test_constructor_rejects_bad_arguments(backend):
+    for kwargs in (
+        dict(num_pages=0),
+        dict(page_size=-1),
+        dict(row_shape=()),
+        dict(row_shape=(3, 0)),
+        dict(dtype=torch.float32),
+        dict(dtype=torch.int64),
+        dict(backend="cuda"),
+    ):
+        args = dict(num_pages=4, page_size=4, row_shape=ROW, backend=backend) | kwargs
+        with pytest.raises(RoutedExpertsCacheError):
+            RoutedExpertsCache(**args)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RoutedExpertsCacheError, match="TRITON_INTERPRET"):
+        RoutedExpertsCache(4, 4, ROW, backend="triton")
+    assert RoutedExpertsCache(4, 4, ROW).backend == "torch"  # auto on CPU
+
+
+# ------------------------------------------------------------------- publication
+
+
+def test_duplicate_publication_keeps_first_writer_and_frees_copy_on_finish(make_cache, gen):
+    cache = make_cache(8)
+    rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)
+    assert not torch.equal(rows_a, rows_b)
+    cache.capture("a", 0, rows_a)
+    cache.capture("b", 0, rows_b)
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.add_block_hashes("b", [h("p", 0)])
+    assert states(cache) == dict(free=6, tail=0, pending=0, duplicate=1, published=1, evictable=0)
+    assert cache.stats()["published_blocks"] == 1
+    assert_rows(cache.read("a", 0, 4), u8(rows_a))
+    assert_rows(cache.read("b", 0, 4), u8(rows_b))  # its OWN rows, not the index's
+
+    cache.add_block_hashes("c", [h("p", 0)])
+    rows_c = rand_rows(gen, 1)
+    cache.capture("c", 4, rows_c)
+    assert_rows(cache.read("c", 0, 5), u8(torch.cat([rows_a, rows_c])))  # the index: first writer
+
+    cache.finish("a")  # the first writer's page stays: b and c pin its hash
+    assert states(cache) == dict(free=5, tail=1, pending=0, duplicate=1, published=1, evictable=0)
+    assert_rows(cache.read("b", 0, 4), u8(rows_b))
+    cache.finish("b")  # b's duplicate page is freed
+    assert states(cache) == dict(free=6, tail=1, pending=0, duplicate=0, published=1, evictable=0)
+    assert_rows(cache.read("c", 0, 5), u8(torch.cat([rows_a, rows_c])))
+    cache.finish("c")
+    assert states(cache) == dict(free=7, tail=0, pending=0, duplicate=0, published=1, evictable=1)
+    assert_accounting(cache)
+
+
+def test_duplicate_when_hash_was_published_before_capture(make_cache, gen):
+    cache = make_cache(4)
+    rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.finish("a")
+    cache.add_block_hashes("b", [h("p", 0)])  # b recomputes block 0 anyway
+    cache.capture("b", 0, rows_b)
+    assert states(cache, "duplicate", "published", "evictable", "free") == dict(
+        duplicate=1, published=1, evictable=0, free=2
+    )
+    assert_rows(cache.read("b", 0, 4), u8(rows_b))
+    cache.finish("b")
+    assert states(cache, "duplicate", "published", "evictable", "free") == dict(
+        duplicate=0, published=1, evictable=1, free=3
+    )
+    cache.add_block_hashes("c", [h("p", 0)])
+    assert_rows(cache.read("c", 0, 4), u8(rows_a))
+
+
+def test_hashes_before_capture_publish_as_blocks_fill(make_cache, gen):
+    cache = make_cache(8)
+    rows = rand_rows(gen, 12)
+    cache.add_block_hashes("a", [h("a", i) for i in range(3)])
+    assert states(cache) == dict(free=8, tail=0, pending=0, duplicate=0, published=0, evictable=0)
+    assert cache.stats()["requests"] == 1
+    cache.capture("a", 0, rows[:6])
+    assert states(cache, "published", "tail", "pending") == dict(published=1, tail=1, pending=0)
+    cache.capture("a", 6, rows[6:])
+    assert states(cache, "published", "tail", "pending") == dict(published=3, tail=0, pending=0)
+
+    # a request that has only hashes (nothing captured yet) reads its prefix through the index
+    cache.add_block_hashes("b", [h("a", 0), h("a", 1), h("a", 2)])
+    assert_rows(cache.read("b", 0, 12), u8(rows))
+    assert_rows(cache.read("b", 5, 7), u8(rows[5:7]))
+    assert_unavailable(cache, "b", 0, 13)
+    cache.add_block_hashes("z", [b"never-published"])
+    assert_unavailable(cache, "z", 0, 4)
+
+
+def test_first_capture_past_zero_reads_earlier_blocks_through_the_index(make_cache, gen):
+    cache = make_cache(8)
+    rows_a = rand_rows(gen, 12)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1), h("a", 2)])
+
+    cache.add_block_hashes("b", [h("a", 0), h("a", 1)])
+    rows_b = rand_rows(gen, 4)
+    cache.capture("b", 8, rows_b)
+    assert_rows(cache.read("b", 0, 12), u8(torch.cat([rows_a[:8], rows_b])))
+    assert_rows(cache.read("b", 1, 7), u8(rows_a[1:7]))  # prefix blocks only
+
+    # hashes that arrive after the first capture make the prefix readable then
+    rows_c = rand_rows(gen, 5)
+    cache.capture("c", 8, rows_c)
+    assert_unavailable(cache, "c", 0, 12)
+    assert_rows(cache.read("c", 8, 13), u8(rows_c))
+    published = cache.stats()["published"]
+    cache.add_block_hashes("c", [h("a", 0), h("a", 1), h("c", 2)])
+    assert_rows(cache.read("c", 0, 13), u8(torch.cat([rows_a[:8], rows_c])))
+    assert cache.stats()["published"] == published + 1  # c's own block 2
+    assert_accounting(cache)
+
+
+# --------------------------------------------------------------------- eviction
+
+
+def test_finish_releases_in_reverse_block_order_so_the_last_block_is_evicted_first(make_cache, gen):
+    cache = make_cache(5)
+    rows_a = rand_rows(gen, 12)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("a", i) for i in range(3)])
+    cache.finish("a")
+    assert states(cache, "free", "published", "evictable") == dict(free=2, published=3, evictable=3)
+
+    cache.capture("x", 0, rand_rows(gen, 12))  # 3 pages: 2 free + exactly one eviction
+    assert cache.stats()["evictions"] == 1
+    assert states(cache, "free", "published", "evictable") == dict(free=0, published=2, evictable=2)
+    cache.finish("x")
+
+    cache.add_block_hashes("n", [h("a", i) for i in range(3)])
+    cache.capture("n", 12, rand_rows(gen, 1))
+    assert_rows(cache.read("n", 0, 8), u8(rows_a[:8]))
+    assert_unavailable(cache, "n", 0, 12)
+    assert_unavailable(cache, "n", 8, 9)
+    assert_accounting(cache)
+
+
+def test_eviction_is_lru_over_requests_and_repins_refresh(make_cache, gen):
+    cache = make_cache(4)
+    rows = {tag: rand_rows(gen, 4) for tag in "ab"}
+    for tag in "ab":
+        cache.capture(tag, 0, rows[tag])
+        cache.add_block_hashes(tag, [h(tag, 0)])
+        cache.finish(tag)
+    cache.add_block_hashes("c", [h("a", 0)])  # a prefix hit on a's block: a becomes recent
+    cache.finish("c")
+    assert states(cache, "free", "evictable") == dict(free=2, evictable=2)
+
+    cache.capture("x", 0, rand_rows(gen, 12))  # one eviction: b's block, the least recent
+    assert cache.stats()["evictions"] == 1
+    cache.finish("x")
+    cache.add_block_hashes("ya", [h("a", 0)])
+    cache.add_block_hashes("yb", [h("b", 0)])
+    assert_rows(cache.read("ya", 0, 4), u8(rows["a"]))
+    assert_unavailable(cache, "yb", 0, 4)
+
+
+def test_pinned_pages_are_never_evicted_and_cache_full_changes_nothing(make_cache, gen):
+    cache = make_cache(4)
+    rows_a, rows_b, rows_g = rand_rows(gen, 8), rand_rows(gen, 3), rand_rows(gen, 4)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])  # published, pinned by a live request
+    cache.add_block_hashes("b", [h("a", 0)])
+    cache.capture("b", 4, rows_b)  # b pins a's block 0 and owns a tail
+    cache.capture("g", 0, rows_g)
+    cache.add_block_hashes("g", [h("g", 0)])
+    cache.finish("g")
+    assert states(cache, "free", "evictable") == dict(free=0, evictable=1)
+    cache.retain([h("g", 0)])
+    assert states(cache, "free", "evictable") == dict(free=0, evictable=0)
+
+    before_stats, before_pool = cache.stats(), cache.pages.clone()
+    with pytest.raises(CacheFullError, match=r"'n' \[0, 1\).*0 free and 0 evictable"):
+        cache.capture("n", 0, rand_rows(gen, 1))
+    assert cache.stats() == before_stats and torch.equal(cache.pages, before_pool)
+    assert_unavailable(cache, "n", 0, 0)
+
+    cache.finish("a")  # a's block 1 becomes evictable; block 0 stays pinned by b
+    assert states(cache, "free", "evictable", "published") == dict(free=0, evictable=1, published=3)
+    cache.capture("n", 0, rand_rows(gen, 1))  # evicts a's block 1, nothing else
+    with pytest.raises(CacheFullError):
+        cache.capture("m", 0, rand_rows(gen, 1))
+    cache.release([h("g", 0)])
+    rows_m = rand_rows(gen, 1)
+    cache.capture("m", 0, rows_m)  # now g's block can go
+    assert cache.stats()["evictions"] == 2
+    assert_rows(cache.read("b", 0, 7), u8(torch.cat([rows_a[:4], rows_b])))
+    assert_rows(cache.read("m", 0, 1), u8(rows_m))
+    cache.add_block_hashes("probe", [h("a", 0), h("a", 1)])
+    assert_rows(cache.read("probe", 0, 4), u8(rows_a[:4]))
+    assert_unavailable(cache, "probe", 0, 8)
+    assert_accounting(cache)
+
+
+def test_retained_future_hash_pins_the_page_once_published(make_cache, gen):
+    cache = make_cache(2)
+    cache.retain([h("f", 0)])
+    rows_f = rand_rows(gen, 4)
+    cache.capture("f", 0, rows_f)
+    cache.add_block_hashes("f", [h("f", 0)])
+    cache.finish("f")
+    assert states(cache, "published", "evictable", "free") == dict(published=1, evictable=0, free=1)
+    with pytest.raises(CacheFullError):
+        cache.capture("x", 0, rand_rows(gen, 8))
+    cache.release([h("f", 0)])
+    assert states(cache, "evictable") == dict(evictable=1)
+    cache.add_block_hashes("y", [h("f", 0)])
+    assert_rows(cache.read("y", 0, 4), u8(rows_f))
+
+
+def test_release_only_drops_retained_pins_never_a_requests_pin(make_cache, gen):
+    cache = make_cache(2)
+    rows_a = rand_rows(gen, 4)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("a", 0)])
+    before = cache.stats()
+    with pytest.raises(RoutedExpertsCacheError, match="not retained"):
+        cache.release([h("a", 0)])
+    assert cache.stats() == before
+    with pytest.raises(CacheFullError):  # the page is still pinned by request "a"
+        cache.capture("x", 0, rand_rows(gen, 8))
+    assert_rows(cache.read("a", 0, 4), u8(rows_a))
+    assert_accounting(cache)
+
+
+def test_evictable_pages_stay_findable_until_evicted(make_cache, gen):
+    cache = make_cache(6)
+    rows_a = rand_rows(gen, 8)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+    cache.finish("a")
+    cache.capture("x", 0, rand_rows(gen, 16))  # uses exactly the 4 free pages
+    assert cache.stats()["evictions"] == 0
+    assert states(cache, "free", "evictable") == dict(free=0, evictable=2)
+    cache.finish("x")
+    for k in range(3):
+        cache.add_block_hashes(f"n{k}", [h("a", 0), h("a", 1)])
+        cache.capture(f"n{k}", 8, rand_rows(gen, 1))
+        assert_rows(cache.read(f"n{k}", 0, 8), u8(rows_a))
+        cache.finish(f"n{k}")
+    assert cache.stats()["evictions"] == 0 and cache.stats()["evictable"] == 2
+
+
+def test_finish_of_unknown_request_is_a_no_op(make_cache, gen):
+    cache = make_cache(4)
+    rows = rand_rows(gen, 5)
+    cache.capture("a", 0, rows)
+    cache.add_block_hashes("a", [h("a", 0)])
+    before = cache.stats()
+    cache.finish("nobody")
+    cache.finish(12)
+    assert cache.stats() == before
+    cache.finish("a")
+    after = cache.stats()
+    cache.finish("a")
+    assert cache.stats() == after
+    assert after["free"] == 3 and after["evictable"] == 1 and after["requests"] == 0
+    assert_unavailable(cache, "a", 0, 1)
+    assert_accounting(cache)
+
+
+def test_reset_drops_everything_and_old_hashes_never_hit(make_cache, gen):
+    cache = make_cache(6)
+    rows = rand_rows(gen, 10)
+    cache.capture("a", 0, rows)
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+    cache.capture("b", 0, rows[:4])
+    cache.add_block_hashes("b", [h("a", 0)])
+    cache.retain([h("a", 1)])
+    cache.finish("b")
+    cache.reset()
+    s = cache.stats()
+    assert s["generation"] == 1
+    assert {k: s[k] for k in STATE_KEYS} == dict(free=6, tail=0, pending=0, duplicate=0, published=0, evictable=0)
+    assert s["requests"] == 0 and s["pinned_hashes"] == 0
+    assert_unavailable(cache, "a", 0, 1)
+    cache.add_block_hashes("n", [h("a", 0), h("a", 1)])
+    assert_unavailable(cache, "n", 0, 4)
+    cache.capture("n", 8, rand_rows(gen, 2))
+    assert_unavailable(cache, "n", 0, 10)
+    rows_n = rand_rows(gen, 5)
+    cache.capture("m", 0, rows_n)
+    assert_rows(cache.read("m", 0, 5), u8(rows_n))
+    assert_accounting(cache)
+
+
+# ------------------------------------------------------------- a small random model
+
+PAGE = 4
+
+
+def _token_rows(tokens) -> torch.Tensor:
+    """Rows are a function of the token prefix (as routing is): identical prefixes share rows."""
+    out = [
+        list(hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=6).digest()) for p in range(len(tokens))
+    ]
+    return torch.tensor(out, dtype=torch.uint8).view(len(tokens), *ROW)
+
+
+def _block_hashes(tokens) -> list[bytes]:
+    return [hashlib.sha256(repr(tokens[: (i + 1) * PAGE]).encode()).digest() for i in range(len(tokens) // PAGE)]
+
+
+def test_random_workload_against_a_token_model(make_cache):
+    """Requests over prompts sharing prefixes; every read is checked against the rows the
+    token model defines; a live request's captured range and pinned prefix never go away."""
+    rng = torch.Generator().manual_seed(99)
+    randint = lambda n: int(torch.randint(0, n, (), generator=rng))  # noqa: E731
+    base = list(range(100, 124))
+    prompts = [base[:n] + [k] * m for k, (n, m) in enumerate([(24, 0), (20, 3), (12, 9), (8, 10), (16, 6), (0, 13)])]
+    cache = make_cache(12, page_size=PAGE)
+    live = {}  # request id -> dict(tokens, rows, hashes, given, start, cursor)
+    next_id = 0
+    for _ in range(220):
+        op = randint(10)
+        if op < 3 and len(live) < 4:
+            tokens = prompts[randint(len(prompts))]
+            hashes = _block_hashes(tokens)
+            given = randint(len(hashes) + 1)
+            rid = f"r{next_id}"
+            next_id += 1
+            cache.add_block_hashes(rid, hashes[:given])
+            hit = next((j for j in range(given, 0, -1) if _readable(cache, rid, 0, j * PAGE)), 0)
+            if hit * PAGE == len(tokens):
+                hit -= 1  # the engine always recomputes at least one row
+            live[rid] = dict(tokens=tokens, rows=_token_rows(tokens), hashes=hashes, given=given, cursor=hit * PAGE)
+        elif op < 8 and live:
+            rid = sorted(live)[randint(len(live))]
+            r = live[rid]
+            n = min(1 + randint(6), len(r["tokens"]) - r["cursor"])
+            before = cache.stats()
+            try:
+                cache.capture(rid, r["cursor"], r["rows"][r["cursor"] : r["cursor"] + n].to(torch.int64))
+            except CacheFullError:
+                assert cache.stats() == before
+                cache.finish(rid)  # preempted
+                del live[rid]
+                continue
+            r["cursor"] += n
+            more = min(len(r["hashes"]), r["given"] + randint(3))
+            cache.add_block_hashes(rid, r["hashes"][r["given"] : more])
+            r["given"] = more
+            if r["cursor"] == len(r["tokens"]):
+                assert_rows(cache.read(rid, 0, r["cursor"]), r["rows"])
+                cache.finish(rid)
+                del live[rid]
+        elif live:
+            rid = sorted(live)[randint(len(live))]
+            r = live[rid]
+            start = randint(r["cursor"] + 1)
+            end = start + randint(r["cursor"] - start + 1)
+            assert_rows(cache.read(rid, start, end), r["rows"][start:end])
+        for rid, r in live.items():  # fail closed never bites a live request's pinned rows
+            assert_rows(cache.read(rid, 0, r["cursor"]), r["rows"][: r["cursor"]])
+        assert_accounting(cache)
+    s = cache.stats()
+    assert s["evictions"] > 0 and s["prefix_hit_rows"] > 0 and s["published_blocks"] > 5
+
+
+def _readable(cache, request_id, start, end) -> bool:
+    try:
+        cache.read(request_id, start, end)
+    except RangeUnavailableError:
+        return False
+    return True

