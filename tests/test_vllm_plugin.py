@@ -1,0 +1,67 @@
+"""The ``vllm.general_plugins`` entry point: version gate, off switch, what it replaces."""
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+
+import pytest
+import vllm
+
+from routed_experts_cache.connector import vllm_plugin, vllm_worker
+
+WORKER = "vllm.distributed.aux_output_connector.worker"
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+
+
+@pytest.fixture
+def vllm_modules(monkeypatch):
+    """The two modules the plugin patches, restored after each test."""
+    worker, runner = importlib.import_module(WORKER), importlib.import_module(RUNNER)
+    original = worker.get_aux_output_connector
+    monkeypatch.setattr(worker, "get_aux_output_connector", original)
+    monkeypatch.setattr(runner, "get_aux_output_connector", runner.get_aux_output_connector)
+    return worker, runner, original
+
+
+def test_entry_point_is_installed():
+    names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "routed_experts_cache.connector.vllm_plugin:register" in names
+
+
+def test_supported_version_replaces_the_worker_factory(vllm_modules, monkeypatch):
+    worker, runner, original = vllm_modules
+    monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
+    assert vllm_plugin.register() is True
+    assert worker.get_aux_output_connector is vllm_worker.get_aux_output_connector
+    assert runner.get_aux_output_connector is vllm_worker.get_aux_output_connector
+    assert original is not vllm_worker.get_aux_output_connector
+
+
+def test_off_switch_leaves_vllm_untouched(vllm_modules, monkeypatch):
+    worker, runner, original = vllm_modules
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE", "0")
+    assert vllm_plugin.register() is False
+    assert worker.get_aux_output_connector is original
+    assert runner.get_aux_output_connector is original
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.34.0", "1.0.0", "0.3.2"])
+def test_unsupported_version_is_refused_with_a_warning(vllm_modules, monkeypatch, caplog, version):
+    worker, runner, original = vllm_modules
+    monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
+    monkeypatch.setattr(vllm, "__version__", version)
+    with caplog.at_level(logging.WARNING, logger="vllm.routed_experts_cache"):
+        assert vllm_plugin.register() is False
+    assert worker.get_aux_output_connector is original and runner.get_aux_output_connector is original
+    assert any(version in r.getMessage() and "not supported" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("version", "supported"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.330.0", False), ("0.31.9", False)])
+def test_version_gate(version, supported):
+    assert vllm_plugin.is_supported(version) is supported
+
+
+def test_working_set_bound_matches_vllms_buffer_bound():
+    # vLLM: mcb * (ceil(T / bs) + S) + S block slots for tails and unkeyed full blocks.
+    assert vllm_worker.working_set_pages(16, 8192, 256, 2) == 2 * (512 + 256) + 256
+    assert vllm_worker.working_set_pages(32, 100, 3, 1) == (4 + 3) + 3
