@@ -19,9 +19,13 @@ def copy_segments_torch(
         return
     seg_start = seg_start.long()
     lengths = seg_start[1:] - seg_start[:-1]
-    within = torch.arange(total_rows, device=source.device) - seg_start[:-1].repeat_interleave(
-        lengths, output_size=total_rows
-    )
-    source_rows = seg_source_row.long().repeat_interleave(lengths, output_size=total_rows) + within
-    target_rows = seg_target_row.long().repeat_interleave(lengths, output_size=total_rows) + within
-    target.index_copy_(0, target_rows, source.index_select(0, source_rows))
+    packed = torch.arange(total_rows, device=source.device)
+
+    def rows_of(seg_row: torch.Tensor) -> torch.Tensor:
+        return packed + (seg_row.long() - seg_start[:-1]).repeat_interleave(lengths, output_size=total_rows)
+
+    source_rows = rows_of(seg_source_row)
+    if target.shape[0] == total_rows and torch.equal(seg_target_row.long(), seg_start[:-1]):
+        torch.index_select(source, 0, source_rows, out=target)  # gather into a packed output
+    else:
+        target.index_copy_(0, rows_of(seg_target_row), source.index_select(0, source_rows))

@@ -1,0 +1,62 @@
+"""Shared by the benchmarks: where results go, how tables print, how time is measured."""
+
+import csv
+import datetime
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-")
+    return f"cpu-{os.cpu_count()}core-{platform.machine()}"
+
+
+def results_dir(device: torch.device) -> Path:
+    """``$OUT`` when set (the GPU machine), else ``bench/results/<date>-<machine>/``."""
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"])
+    else:
+        path = RESULTS / f"{datetime.date.today().isoformat()}-{machine_label(device)}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row[c]).ljust(widths[c]) for c in columns))
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def time_call(fn, device: torch.device, repeats: int = 20) -> float:
+    """Median seconds per call: CUDA via triton.testing.do_bench, CPU via perf_counter."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    fn()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
