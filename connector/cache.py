@@ -435,6 +435,10 @@ class RoutedExpertsCache:
 
     # ------------------------------------------------------------ introspection
 
+    def is_published(self, block_hash: bytes) -> bool:
+        """Whether a block with this hash is in the index (findable by prefix hits)."""
+        return block_hash in self._index
+
     def page_states(self) -> dict[int, str]:
         """State of every non-free page: 'tail', 'pending', 'duplicate' or 'published'."""
         states = {page: "published" for page in self._index.values()}

@@ -275,9 +275,16 @@ class CacheWorkerConnector:
             self._cache = None
 
 
+# vLLM 0.33's scheduler connector sends retained / released block hashes (pins).
+_SCHEDULER_RETAINS_PINS = "retained_block_hashes" in getattr(AuxOutputConnectorMetadata, "__dataclass_fields__", {})
+
+
 def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capturer) -> RoutedExpertsCache:
     """The pool for this engine: every KV-cached block's rows plus the working set.
 
+    With vLLM 0.33's pins, the scheduler keeps up to its KV capacity of finished blocks
+    retained whether or not their KV is still cached, on top of the blocks live requests
+    hold: the KV-sized part is counted once for each.
     ``aux_output_config.max_bytes``, when set, replaces the KV-sized part.
     """
     scheduler_config = vllm_config.scheduler_config
@@ -286,7 +293,10 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
     page_nbytes = page_size * math.prod(row_shape) * capturer.output_dtype.itemsize
     max_bytes = vllm_config.aux_output_config.max_bytes
     if max_bytes is None:
-        shared_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
+        kv_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
+        # AuxOutputSchedulerConnector._capacity: num_blocks, doubled with a KV connector.
+        retained_pages = kv_pages * (2 if vllm_config.kv_transfer_config is not None else 1)
+        shared_pages = kv_pages + (retained_pages if _SCHEDULER_RETAINS_PINS else 0)
     else:
         shared_pages = max_bytes // page_nbytes
     working_set = working_set_pages(

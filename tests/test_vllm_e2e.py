@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from cpu_harness.scenarios import SCENARIOS
+from cpu_harness.tiny_moe import build_tiny_eagle3_draft, build_tiny_qwen3_moe
 
-from cpu_harness.scenarios import SCENARIOS  # noqa: E402
-from cpu_harness.tiny_moe import build_tiny_eagle3_draft, build_tiny_qwen3_moe  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
