@@ -17,6 +17,7 @@ O(blocks) per call; rows move on the device with one scatter per capture call an
 per read call.
 """
 
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from math import prod
@@ -57,12 +58,12 @@ class _CapturePlan(NamedTuple):
 
 
 def _check_request_id(request_id) -> None:
-    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+    if type(request_id) is not str and type(request_id) is not int:  # bool and numpy ints are refused
         raise RoutedExpertsCacheError(f"request id must be a str or int, got {request_id!r}")
 
 
 def _check_position(name: str, value, request_id) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if type(value) is not int:
         raise RoutedExpertsCacheError(f"request {request_id!r}: {name} must be an int, got {value!r}")
     return value
 
@@ -177,7 +178,8 @@ class RoutedExpertsCache:
             if request.first_block is None:
                 request.first_block = plan.start // self.page_size
                 self._counters["prefix_hit_rows"] += plan.start
-            request.own_pages.extend(self._allocate_page() for _ in plan.new_blocks)
+            if plan.new_blocks:
+                request.own_pages.extend(self._allocate_page() for _ in plan.new_blocks)
             self._requests[plan.request_id] = request
             position, end, source_row = plan.start, plan.start + plan.count, plan.source_start
             while position < end:
@@ -198,7 +200,7 @@ class RoutedExpertsCache:
 
     def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch."""
-        descriptor = torch.tensor(seg_start + seg_source_row + seg_target_row, dtype=torch.int32)
+        descriptor = torch.frombuffer(array("i", seg_start + seg_source_row + seg_target_row), dtype=torch.int32)
         descriptor = descriptor.to(self.device, non_blocking=True)
         n = len(seg_source_row)
         self._copy(source, target, descriptor[: n + 1], descriptor[n + 1 : 2 * n + 1], descriptor[2 * n + 1 :], seg_start[-1])
@@ -222,10 +224,13 @@ class RoutedExpertsCache:
             if not isinstance(span, tuple) or len(span) != 4:
                 raise InvalidCaptureError(f"a capture span is (request_id, start, source_start, count), got {span!r}")
             request_id, start, source_start, count = span
-            _check_request_id(request_id)
-            for name, value in (("start", start), ("source_start", source_start), ("count", count)):
-                if _check_position(name, value, request_id) < 0:
-                    raise InvalidCaptureError(f"request {request_id!r}: {name} must be >= 0, got {value}")
+            if not (type(start) is type(source_start) is type(count) is int and min(start, source_start, count) >= 0):
+                _check_request_id(request_id)
+                for name, value in (("start", start), ("source_start", source_start), ("count", count)):
+                    if _check_position(name, value, request_id) < 0:
+                        raise InvalidCaptureError(f"request {request_id!r}: {name} must be >= 0, got {value}")
+            if type(request_id) is not str:
+                _check_request_id(request_id)
             if source_start + count > num_source_rows:
                 raise InvalidCaptureError(
                     f"request {request_id!r}: rows [{source_start}, {source_start + count}) exceed the "
@@ -272,7 +277,7 @@ class RoutedExpertsCache:
             raise InvalidCaptureError(f"request {request_id!r}: hashes must be a sequence of bytes, not one value")
         hashes = list(hashes)
         for block_hash in hashes:
-            if not isinstance(block_hash, bytes) or not block_hash:
+            if type(block_hash) is not bytes or not block_hash:
                 raise InvalidCaptureError(
                     f"request {request_id!r}: block hashes must be non-empty bytes, got {block_hash!r}"
                 )
@@ -292,13 +297,17 @@ class RoutedExpertsCache:
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
         hashes = list(hashes)
+        if not hashes:
+            return
         if any(not isinstance(h, bytes) or not h for h in hashes):
             raise InvalidCaptureError(f"released hashes must be non-empty bytes, got {hashes!r}")
         missing = [h.hex() for h, n in Counter(hashes).items() if self._retained[h] < n]
         if missing:
             raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
-        self._retained.subtract(hashes)
-        self._retained += Counter()  # drop zero counts
+        for block_hash in hashes:
+            self._retained[block_hash] -= 1
+            if not self._retained[block_hash]:
+                del self._retained[block_hash]
         self._unpin(hashes)
 
     def _pin(self, hashes: list[bytes]) -> None:
@@ -349,10 +358,7 @@ class RoutedExpertsCache:
         for interval in intervals:
             if not isinstance(interval, tuple) or len(interval) != 3:
                 raise RangeUnavailableError(f"an interval is (request_id, start, end), got {interval!r}")
-            request_id, start, end = interval
-            for page, first, last in self._locate(request_id, start, end):
-                seg_source_row.append(page * self.page_size + first)
-                seg_start.append(seg_start[-1] + last - first)
+            self._append_segments(*interval, seg_source_row, seg_start)
             offsets.append(seg_start[-1])
         total = seg_start[-1]
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
@@ -360,11 +366,13 @@ class RoutedExpertsCache:
         self._counters["read_rows"] += total
         return packed, offsets
 
-    def _locate(self, request_id, start, end) -> list[tuple[int, int, int]]:
-        """(page, first row, end row) runs covering [start, end); raise if any row is missing."""
-        _check_request_id(request_id)
-        start = _check_position("start", start, request_id)
-        end = _check_position("end", end, request_id)
+    def _append_segments(self, request_id, start, end, seg_source_row: list, seg_start: list) -> None:
+        """Append the pool segments covering [start, end); raise if any row is missing."""
+        if type(request_id) is not str:
+            _check_request_id(request_id)
+        if type(start) is not int or type(end) is not int:
+            _check_position("start", start, request_id)
+            _check_position("end", end, request_id)
         if not 0 <= start <= end:
             raise RangeUnavailableError(f"request {request_id!r}: invalid range [{start}, {end})")
         request = self._requests.get(request_id)
@@ -373,20 +381,24 @@ class RoutedExpertsCache:
                 f"request {request_id!r} is unknown (never captured, or finished); range [{start}, {end})"
             )
         if start == end:
-            return []
-        own_start = request.own_start(self.page_size)
+            return
+        size = self.page_size
+        own_start = request.own_start(size)
         if end > own_start and end > request.cursor:
             raise self._unavailable(request_id, request, start, end)
-        runs, size = [], self.page_size
-        for block in range(start // size, (end - 1) // size + 1):
-            if block * size >= own_start:
+        position = start
+        while position < end:
+            block = position // size
+            if position >= own_start:
                 page = request.own_pages[block - request.first_block]
             else:
                 page = self._index.get(request.hashes[block]) if block < len(request.hashes) else None
                 if page is None:
                     raise self._unavailable(request_id, request, start, end)
-            runs.append((page, max(start - block * size, 0), min(end - block * size, size)))
-        return runs
+            run_end = min(end, (block + 1) * size)
+            seg_source_row.append(page * size + position - block * size)
+            seg_start.append(seg_start[-1] + run_end - position)
+            position = run_end
 
     def _unavailable(self, request_id, request: _Request, start: int, end: int) -> RangeUnavailableError:
         own_start = request.own_start(self.page_size)

@@ -182,10 +182,11 @@ def make_scheduler(
     """The real 0.33 scheduler, configured the way the engine core builds it.
 
     ``lookahead`` 1 is single-module MTP (eagle family, any ``num_spec_tokens``); L > 1 is
-    multi-module MTP with ``num_spec_tokens == L``. vLLM derives ``num_hash_lookahead_tokens``
+    multi-module MTP with ``num_spec_tokens == L``; 0 turns lookahead hashing off
+    (``disable_lookahead_block_hashes``). vLLM derives ``num_hash_lookahead_tokens``
     itself; it is checked against ``lookahead`` here.
     """
-    nextn = 1 if lookahead == 1 else lookahead
+    nextn = max(1, lookahead)
     if lookahead > 1 and num_spec_tokens != lookahead:
         # Multi-module MTP hashes num_speculative_tokens lookahead tokens.
         raise HarnessError("multi-module MTP lookahead L needs num_spec_tokens == L")
@@ -194,7 +195,7 @@ def make_scheduler(
     )
     speculative_config = SpeculativeConfig(
         method="mtp", num_speculative_tokens=num_spec_tokens, target_model_config=model_config,
-        target_parallel_config=ParallelConfig(),
+        target_parallel_config=ParallelConfig(), disable_lookahead_block_hashes=lookahead == 0,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -44,7 +44,7 @@ build_vllm033() {
       "requests>=2.33.0" "oss-harmony>=0.0.11" "openai>=2.25.0" "pillow>=13.0.0" pybase64 cachetools \
       msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" apache-tvm-ffi==0.1.11 \
       "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops \
-      triton==3.8.0 pytest hypothesis
+      triton==3.8.0 pytest hypothesis matplotlib
     echo "$V033_STAMP" > "$venv/.stamp"
   fi
   "$venv/bin/pip" install -q --no-deps -e .
