@@ -110,49 +110,29 @@ class CacheWorkerConnector:
     # ---------------------------------------------------------- model thread
 
     def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
-        """Apply one scheduler step's requests, block hashes, pins and terminal events."""
-        self._step_metadata = metadata
+        """Apply one scheduler step's requests, block hashes, pins and terminal events.
+
+        The whole metadata is checked first: a refused step changes nothing.
+        """
         if self._cache is None or metadata is None:
+            self._step_metadata = metadata
             return
-        both = metadata.requests.keys() & set(metadata.finished_requests)
-        if both:
-            raise ConnectorStateError(f"requests {sorted(both)} are scheduled and finished in one step")
-        if metadata.generation < self._generation:
-            raise ConnectorStateError(
-                f"metadata generation went backwards: {metadata.generation} < {self._generation}"
-            )
         with self._lock:
-            if metadata.generation > self._generation:
+            new_generation = self._check_metadata(metadata)
+            hashes = {request_id: list(packed) for request_id, packed in metadata.block_hashes.items()}
+            self._step_metadata = metadata
+            if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
                 # this metadata belong to the old generation and are dropped with it.
-                if self._pending_outputs:
-                    raise ConnectorStateError(
-                        f"generation changed to {metadata.generation} with "
-                        f"{len(self._pending_outputs)} step outputs in flight"
-                    )
                 self._cache.reset()
                 self._requests.clear()
                 self._generation = metadata.generation
             else:
-                retained = getattr(metadata, "retained_block_hashes", None)
-                released = getattr(metadata, "released_block_hashes", None)
-                self._cache.retain(list(retained or ()))
-                self._cache.release(list(released or ()))
+                self._apply_pins(metadata)
             for request_id, emit_start in metadata.requests.items():
-                state = self._requests.setdefault(request_id, _RequestState(emit_cursor=emit_start))
-                if state.finished:
-                    raise ConnectorStateError(
-                        f"request {request_id!r} was scheduled again before its teardown completed"
-                    )
-                if state.pending_outputs == 0 and emit_start > state.emit_cursor:
-                    raise ConnectorStateError(
-                        f"request {request_id!r}: scheduler emit start {emit_start} is ahead of the "
-                        f"rows delivered so far ({state.emit_cursor})"
-                    )
-            for request_id, packed_hashes in metadata.block_hashes.items():
-                if request_id not in self._requests:
-                    raise ConnectorStateError(f"block hashes for unknown request {request_id!r}")
-                self._cache.add_block_hashes(request_id, list(packed_hashes))
+                self._requests.setdefault(request_id, _RequestState(emit_cursor=emit_start))
+            for request_id, block_hashes in hashes.items():
+                self._cache.add_block_hashes(request_id, block_hashes)
             for request_id in metadata.finished_requests:
                 state = self._requests.get(request_id)
                 if state is None:
@@ -160,6 +140,54 @@ class CacheWorkerConnector:
                 state.finished = True
                 if state.pending_outputs == 0:
                     self._teardown(request_id)
+
+    def _check_metadata(self, metadata: AuxOutputConnectorMetadata) -> bool:
+        """Raise if the metadata contradicts the connector's state; True on a new generation."""
+        both = metadata.requests.keys() & set(metadata.finished_requests)
+        if both:
+            raise ConnectorStateError(f"requests {sorted(both)} are scheduled and finished in one step")
+        if metadata.generation < self._generation:
+            raise ConnectorStateError(
+                f"metadata generation went backwards: {metadata.generation} < {self._generation}"
+            )
+        new_generation = metadata.generation > self._generation
+        if new_generation and self._pending_outputs:
+            raise ConnectorStateError(
+                f"generation changed to {metadata.generation} with {len(self._pending_outputs)} step "
+                f"outputs in flight"
+            )
+        known = {} if new_generation else self._requests
+        for request_id, emit_start in metadata.requests.items():
+            state = known.get(request_id)
+            if state is None:
+                continue
+            if state.finished:
+                raise ConnectorStateError(
+                    f"request {request_id!r} was scheduled again before its teardown completed"
+                )
+            if state.pending_outputs == 0 and emit_start > state.emit_cursor:
+                raise ConnectorStateError(
+                    f"request {request_id!r}: scheduler emit start {emit_start} is ahead of the rows "
+                    f"delivered so far ({state.emit_cursor})"
+                )
+        for request_id in metadata.block_hashes:
+            if request_id not in known and request_id not in metadata.requests:
+                raise ConnectorStateError(
+                    f"block hashes for request {request_id!r}, which is not running (never scheduled, "
+                    f"or finished); running: {len(known)} requests"
+                )
+        return new_generation
+
+    def _apply_pins(self, metadata: AuxOutputConnectorMetadata) -> None:
+        """0.33's KV-aligned pins (absent in 0.32): retain first, then release, atomically."""
+        retained = list(getattr(metadata, "retained_block_hashes", None) or ())
+        released = list(getattr(metadata, "released_block_hashes", None) or ())
+        self._cache.retain(retained)
+        try:
+            self._cache.release(released)
+        except RoutedExpertsCacheError:
+            self._cache.release(retained)
+            raise
 
     def prepare_output(self, input_batch: InputBatch) -> PendingCacheOutput | None:
         """Keep this step's routing snapshot (device) for ``process_output``."""

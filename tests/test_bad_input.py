@@ -1,0 +1,17 @@
+"""Bad input is refused by explicit checks, also under ``python -O`` (asserts stripped)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("bad_input_checks.py")
+
+
+@pytest.mark.parametrize("flags", [[], ["-O"]], ids=["plain", "optimized"])
+def test_every_bad_call_raises_a_typed_error_and_changes_nothing(flags):
+    done = subprocess.run([sys.executable, *flags, str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    optimize = 1 if flags else 0
+    assert f"optimize={optimize} " in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "failures=0" in done.stdout, done.stdout + done.stderr

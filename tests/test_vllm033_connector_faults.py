@@ -1,0 +1,270 @@
+"""Faults and concurrency in the worker connector, with vLLM 0.33's metadata types, no model.
+
+Each fault yields a typed error (or a documented recovery), names the request, and leaves
+every other request's rows intact and readable. The concurrency test runs ``begin_step`` on
+one thread and ``process_output`` on another, as vLLM does, for many steps.
+"""
+
+import queue
+import threading
+
+import vllm
+
+if not vllm.__version__.startswith("0.33"):
+    raise RuntimeError(f"this tier needs vLLM 0.33.x (.venv-vllm033), found {vllm.__version__}")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
+    AuxOutputConnectorMetadata,
+    PackedBlockHashes,
+)
+
+from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache  # noqa: E402
+from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, ConnectorStateError  # noqa: E402
+
+PAGE, ROW = 4, (2, 3)
+
+
+def row_of(request_id: str, position: int) -> np.ndarray:
+    """The routing row of a request's position: a fixed function, distinct per request."""
+    seed = sum(map(ord, request_id)) * 7919 + position * 104729
+    return ((np.arange(6) * 31 + seed) % 251).astype(np.uint8).reshape(ROW)
+
+
+def block_hash(request_id: str, block: int) -> bytes:
+    return f"{request_id}/{block}".encode().ljust(16, b".")
+
+
+class Capturer:
+    def __init__(self) -> None:
+        self.rows = None
+
+    def snapshot_routing_data(self, num_tokens: int) -> torch.Tensor:
+        if self.rows is None or self.rows.shape[0] != num_tokens:
+            raise AssertionError("snapshot size mismatch")
+        return self.rows
+
+
+def metadata(requests=None, hashes=None, finished=(), generation=0, retained=(), released=()):
+    def packed(items):
+        items = list(items)
+        return PackedBlockHashes(b"".join(items), len(items[0])) if items else None
+
+    return AuxOutputConnectorMetadata(
+        generation=generation,
+        requests=dict(requests or {}),
+        block_hashes={r: packed(h) for r, h in (hashes or {}).items()},
+        finished_requests=tuple(finished),
+        retained_block_hashes=packed(retained),
+        released_block_hashes=packed(released),
+    )
+
+
+class Driver:
+    """Feeds one connector the way Model Runner V2 does; steps are (request, start, count)."""
+
+    def __init__(self, num_pages: int = 64) -> None:
+        self.capturer = Capturer()
+        self.cache = RoutedExpertsCache(num_pages, PAGE, ROW)
+        self.connector = CacheWorkerConnector(capturer=self.capturer, cache=self.cache, max_concurrent_batches=2)
+
+    def launch(self, meta, batch, rejected=None):
+        """begin_step + prepare_output + enqueue_cpu_copy; returns the pending output."""
+        self.connector.begin_step(meta)
+        if not batch:
+            return None
+        rows, starts, loc = [], [], [0]
+        for request_id, start, count in batch:
+            rows += [row_of(request_id, p) for p in range(start, start + count)]
+            starts.append(start)
+            loc.append(loc[-1] + count)
+        self.capturer.rows = torch.from_numpy(np.stack(rows))
+        batch_ns = type("Batch", (), {})()
+        batch_ns.req_ids = [r for r, _, _ in batch]
+        batch_ns.query_start_loc_np = np.array(loc, dtype=np.int32)
+        batch_ns.num_computed_tokens_np = np.array(starts, dtype=np.int32)
+        pending = self.connector.prepare_output(batch_ns)
+        rejected = rejected or [0] * len(batch)
+        pending.enqueue_cpu_copy(np.ones(len(batch), dtype=np.int32), np.array(rejected, dtype=np.int32))
+        return pending
+
+    def step(self, meta, batch, rejected=None):
+        pending = self.launch(meta, batch, rejected)
+        return None if pending is None else pending.process_output()
+
+    def expect_rows(self, request_id: str, start: int, end: int) -> None:
+        want = np.stack([row_of(request_id, p) for p in range(start, end)])
+        np.testing.assert_array_equal(self.cache.read(request_id, start, end).numpy(), want)
+
+
+def check_output(output: dict, request_id: str, start: int, end: int) -> None:
+    got = output[request_id]
+    assert got.token_start == start and got.rows.shape == (end - start, *ROW)
+    np.testing.assert_array_equal(got.rows, np.stack([row_of(request_id, p) for p in range(start, end)]))
+
+
+def two_requests(driver: Driver) -> None:
+    """a: 6 prompt rows + 1 decode row; b: 5 rows. Both readable afterwards."""
+    out = driver.step(metadata({"a": 0, "b": 0}), [("a", 0, 6), ("b", 0, 5)])
+    check_output(out, "a", 0, 6)
+    out = driver.step(metadata({"a": 6}, hashes={"a": [block_hash("a", 0)]}), [("a", 6, 1)])
+    check_output(out, "a", 6, 7)
+
+
+def test_pool_exhaustion_mid_batch_fails_the_step_and_keeps_other_rows():
+    driver = Driver(num_pages=5)
+    two_requests(driver)  # a: 2 pages, b: 2 pages -> 1 page left
+    before = driver.cache.stats()
+    with pytest.raises(CacheFullError, match=r"'c' \[0, 12\)"):
+        driver.step(metadata({"a": 7, "c": 0}), [("a", 7, 1), ("c", 0, 12)])
+    assert driver.cache.stats() == before
+    driver.expect_rows("a", 0, 7)
+    driver.expect_rows("b", 0, 5)
+    # Recovery: the refused step captured nothing; the request's next step starts at its cursor.
+    out = driver.step(metadata({"a": 7}), [("a", 7, 1)])
+    check_output(out, "a", 7, 8)
+
+
+@pytest.mark.parametrize("case", ["unknown", "finished"])
+def test_hashes_for_a_request_that_is_not_running_are_refused(case):
+    driver = Driver()
+    two_requests(driver)
+    if case == "finished":
+        driver.step(metadata(finished=["b"]), [])
+    target = "zz" if case == "unknown" else "b"
+    before = driver.cache.stats()
+    with pytest.raises(ConnectorStateError, match=repr(target)):
+        driver.step(metadata({"a": 7}, hashes={"a": [block_hash("a", 1)], target: [block_hash(target, 0)]}), [])
+    assert driver.cache.stats() == before  # a's hash was not applied either
+    driver.expect_rows("a", 0, 7)
+
+
+def test_reset_with_outputs_in_flight_is_refused_and_changes_nothing():
+    driver = Driver()
+    two_requests(driver)
+    pending = driver.launch(metadata({"a": 7}), [("a", 7, 1)])
+    before = driver.cache.stats()
+    with pytest.raises(ConnectorStateError, match="in flight"):
+        driver.connector.begin_step(metadata({"b": 5}, generation=1))
+    assert driver.cache.stats() == before
+    check_output(pending.process_output(), "a", 7, 8)
+    # Once nothing is in flight, the new generation starts from an empty cache.
+    driver.step(metadata({"n": 0}, generation=1), [("n", 0, 3)])
+    assert driver.cache.stats()["requests"] == 1
+    driver.expect_rows("n", 0, 3)
+
+
+def test_metadata_that_goes_backwards_is_refused():
+    driver = Driver()
+    driver.step(metadata({"a": 0}, generation=2), [("a", 0, 3)])
+    with pytest.raises(ConnectorStateError, match="backwards"):
+        driver.connector.begin_step(metadata({"a": 3}, generation=1))
+    with pytest.raises(ConnectorStateError, match=r"'a'.*emit start 9"):
+        driver.connector.begin_step(metadata({"a": 9}, generation=2))
+    with pytest.raises(ConnectorStateError, match="scheduled and finished"):
+        driver.connector.begin_step(metadata({"a": 3}, finished=["a"], generation=2))
+    out = driver.step(metadata({"a": 3}, generation=2), [("a", 3, 1)])
+    check_output(out, "a", 3, 4)
+
+
+def test_capture_that_skips_positions_is_refused_and_others_stay_readable():
+    driver = Driver()
+    two_requests(driver)
+    with pytest.raises(ConnectorStateError, match=r"'a'.*\[7, 9\) were never scheduled"):
+        driver.step(metadata({"a": 7, "b": 5}), [("b", 5, 1), ("a", 9, 1)])
+    driver.expect_rows("a", 0, 7)
+    driver.expect_rows("b", 0, 5)
+    out = driver.step(metadata({"a": 7, "b": 5}), [("b", 5, 1), ("a", 7, 1)])
+    check_output(out, "a", 7, 8)
+    check_output(out, "b", 5, 6)
+
+
+def test_release_of_unretained_hash_is_refused_atomically():
+    driver = Driver()
+    two_requests(driver)
+    driver.step(metadata(retained=[block_hash("a", 0)]), [])
+    before = driver.cache.stats()
+    with pytest.raises(Exception, match="not retained"):
+        driver.connector.begin_step(metadata(retained=[block_hash("b", 0)], released=[block_hash("zz", 0)]))
+    assert driver.cache.stats() == before
+    driver.step(metadata(released=[block_hash("a", 0)]), [])
+
+
+def test_teardown_waits_for_outputs_in_flight():
+    driver = Driver()
+    two_requests(driver)
+    pending = driver.launch(metadata({"a": 7}), [("a", 7, 2)], rejected=[1])
+    driver.connector.begin_step(metadata(finished=["a"]))  # terminal event while a step is in flight
+    assert driver.cache.stats()["requests"] == 2
+    check_output(pending.process_output(), "a", 7, 8)  # the rejected draft row is dropped
+    assert driver.cache.stats()["requests"] == 1
+    with pytest.raises(Exception, match="'a' is unknown"):
+        driver.cache.read("a", 0, 1)
+
+
+def test_begin_step_and_process_output_on_two_threads():
+    """Model thread runs ahead (<= 2 steps in flight); the output thread checks every row."""
+    driver = Driver(num_pages=400)
+    rng = np.random.default_rng(0)
+    in_flight: queue.Queue = queue.Queue()
+    slots = threading.Semaphore(2)  # max_concurrent_batches steps launched and not yet processed
+    received: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def output_thread():
+        try:
+            while (item := in_flight.get()) is not None:
+                for request_id, out in item.process_output().items():
+                    received.setdefault(request_id, []).append((out.token_start, out.rows.copy()))
+                slots.release()
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    worker = threading.Thread(target=output_thread)
+    worker.start()
+    live: dict[str, int] = {}
+    hashed: dict[str, int] = {}
+    finished_total, next_id = 0, 0
+    try:
+        for step in range(400):
+            finishing = [r for r in live if rng.random() < 0.04]
+            for request_id in finishing:
+                del live[request_id]
+            while len(live) < 12:
+                live[f"r{next_id}"], next_id = 0, next_id + 1
+            batch, hashes = [], {}
+            for request_id, cursor in live.items():
+                count = int(rng.integers(1, 7)) if cursor < 20 else 1
+                batch.append((request_id, cursor, count))
+                full = cursor // PAGE
+                if full > hashed.get(request_id, 0):
+                    hashes[request_id] = [block_hash(request_id, b) for b in range(hashed.get(request_id, 0), full)]
+                    hashed[request_id] = full
+            meta = metadata({r: c for r, c, _ in batch if c == 0}, hashes=hashes, finished=finishing)
+            meta.requests.update({r: c for r, c, _ in batch if c > 0})
+            if not slots.acquire(timeout=60):
+                raise AssertionError("output thread stopped consuming")
+            pending = driver.launch(meta, batch)
+            for request_id, cursor, count in batch:
+                live[request_id] = cursor + count
+            in_flight.put(pending)
+            finished_total += len(finishing)
+            if errors:
+                break
+    finally:
+        in_flight.put(None)
+        worker.join(timeout=60)
+    assert not worker.is_alive(), "output thread deadlocked"
+    if errors:
+        raise errors[0]
+    assert finished_total > 20
+    for request_id, chunks in received.items():
+        position = 0
+        for start, rows in chunks:
+            assert start == position, f"{request_id}: chunk at {start}, expected {position}"
+            np.testing.assert_array_equal(rows, np.stack([row_of(request_id, p) for p in range(start, start + len(rows))]))
+            position += len(rows)
+    assert sum(len(c) for c in received.values()) > 2000
+    driver.cache.check_consistency()
