@@ -182,12 +182,13 @@ class RoutedExpertsCache:
                 request.own_pages.extend(self._allocate_page() for _ in plan.new_blocks)
             self._requests[plan.request_id] = request
             position, end, source_row = plan.start, plan.start + plan.count, plan.source_start
+            size, own_pages, first_block = self.page_size, request.own_pages, request.first_block
             while position < end:
-                block = position // self.page_size
-                run = min(end, (block + 1) * self.page_size) - position
-                page = request.own_pages[block - request.first_block]
+                block = position // size
+                block_end = (block + 1) * size
+                run = (end if end < block_end else block_end) - position
                 seg_source_row.append(source_row)
-                seg_target_row.append(page * self.page_size + position % self.page_size)
+                seg_target_row.append(own_pages[block - first_block] * size + position - block * size)
                 seg_start.append(seg_start[-1] + run)
                 position += run
                 source_row += run
@@ -196,7 +197,9 @@ class RoutedExpertsCache:
         self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
         self._counters["captured_rows"] += seg_start[-1]
         for plan in plans:
-            self._settle(plan.request)
+            request = plan.request
+            if request.first_block + request.num_settled < min(request.cursor // self.page_size, len(request.hashes)):
+                self._settle(request)
 
     def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch."""
@@ -224,7 +227,7 @@ class RoutedExpertsCache:
             if not isinstance(span, tuple) or len(span) != 4:
                 raise InvalidCaptureError(f"a capture span is (request_id, start, source_start, count), got {span!r}")
             request_id, start, source_start, count = span
-            if not (type(start) is type(source_start) is type(count) is int and min(start, source_start, count) >= 0):
+            if not (type(start) is type(source_start) is type(count) is int and start >= 0 and source_start >= 0 and count >= 0):
                 _check_request_id(request_id)
                 for name, value in (("start", start), ("source_start", source_start), ("count", count)):
                     if _check_position(name, value, request_id) < 0:
@@ -395,7 +398,8 @@ class RoutedExpertsCache:
                 page = self._index.get(request.hashes[block]) if block < len(request.hashes) else None
                 if page is None:
                     raise self._unavailable(request_id, request, start, end)
-            run_end = min(end, (block + 1) * size)
+            block_end = (block + 1) * size
+            run_end = end if end < block_end else block_end
             seg_source_row.append(page * size + position - block * size)
             seg_start.append(seg_start[-1] + run_end - position)
             position = run_end
