@@ -66,7 +66,9 @@ def main() -> None:
         print("RESULT " + json.dumps(result))
         return
 
-    from bench.common import RESULTS, print_table, write_csv
+    import torch
+
+    from bench.common import print_table, results_dir, write_csv
     from cpu_harness.engine import prepare_environment
     from cpu_harness.tiny_moe import build_tiny_qwen3_moe
 
@@ -90,8 +92,7 @@ def main() -> None:
         row["vs_off"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     print()
     print_table(rows, list(rows[0]))
-    out = RESULTS / f"{time.strftime('%Y-%m-%d')}-cpu-{os.cpu_count()}core"
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(torch.device("cpu"))
     write_csv(out / "e2e_throughput.csv", rows)
     print(f"\nwrote {out / 'e2e_throughput.csv'}")
 

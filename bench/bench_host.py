@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, print_table, write_csv  # noqa: E402
+from bench.common import print_table, results_dir, write_csv  # noqa: E402
 from cpu_harness.vllm033 import (  # noqa: E402
     SimEngine,
     SnapshotCapturer,
@@ -276,8 +276,7 @@ def main() -> None:
               f"({ours['host_only_ratio_to_vllm']:.2f})", flush=True)
     print()
     print_table(rows, list(rows[0]))
-    out = RESULTS / f"{time.strftime('%Y-%m-%d')}-cpu-{os.cpu_count()}core"
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(torch.device("cpu"))
     write_csv(out / "host_overhead.csv", rows)
     plot(rows, out / "host_overhead.png")
     print(f"\nwrote {out / 'host_overhead.csv'} and {out / 'host_overhead.png'}")

@@ -16,7 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, print_table, write_csv  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import print_table, results_dir, write_csv  # noqa: E402
 
 # (layers captured, top_k, number of experts): vLLM captures every hidden layer's row.
 MODELS = {
@@ -59,9 +61,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = rows_for(args.kv_tokens)
     print_table(rows, list(rows[0]))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    write_csv(RESULTS / "memory.csv", rows)
-    print(f"\nwrote {RESULTS / 'memory.csv'}")
+    out = results_dir(torch.device("cpu"))
+    write_csv(out / "memory.csv", rows)
+    print(f"\nwrote {out / 'memory.csv'}")
 
 
 if __name__ == "__main__":
