@@ -1,0 +1,232 @@
+"""The worker connector under random vLLM-shaped schedules, checked against a plain model.
+
+A Hypothesis state machine drives ``CacheWorkerConnector`` with vLLM 0.33's metadata types
+and no model: random batches with speculative drafts and rejections, up to
+``max_concurrent_batches`` steps in flight (so the CPU's ``num_computed_tokens`` assumes all
+drafts were accepted and the connector must re-attach), hash-only updates, finishes with
+outputs in flight, retained/released pins and generation bumps. Rows are a function of
+(request, position); rows of rejected drafts are poison and must never come back. Every
+chunk a request receives must continue exactly where the previous one ended.
+"""
+
+import vllm
+
+if not vllm.__version__.startswith("0.33"):
+    raise RuntimeError(f"this tier needs vLLM 0.33.x (.venv-vllm033), found {vllm.__version__}")
+
+from collections import Counter, deque  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata, PackedBlockHashes  # noqa: E402
+
+from routed_experts_cache.connector import RoutedExpertsCache  # noqa: E402
+from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector  # noqa: E402
+
+PAGE, ROW, MAX_IN_FLIGHT = 4, (2, 3), 2
+POISON = np.full(ROW, 255, dtype=np.uint8)
+
+
+def row_of(request_id: str, position: int) -> np.ndarray:
+    seed = sum(map(ord, request_id)) * 7919 + position * 104729
+    return ((np.arange(6) * 31 + seed) % 251).astype(np.uint8).reshape(ROW)
+
+
+def packed(hashes):
+    return PackedBlockHashes(b"".join(hashes), len(hashes[0])) if hashes else None
+
+
+class _Capturer:
+    rows = None
+
+    def snapshot_routing_data(self, num_tokens: int) -> torch.Tensor:
+        return self.rows
+
+
+class _Request:
+    def __init__(self, request_id: str, generation: int) -> None:
+        self.id = request_id
+        self.true = 0  # rows the device really computed (accepted), in-flight steps included
+        self.confirmed = 0  # accepted rows of processed steps: what the scheduler knows
+        self.optimistic = 0  # the scheduler's num_computed_tokens (in-flight drafts assumed accepted)
+        self.hashed = 0  # blocks whose hash was sent
+        self.received = 0  # rows delivered to the client so far
+        self.in_flight = 0
+        self.generation = generation
+
+
+COVERAGE = Counter()  # what the runs exercised, checked after all examples
+
+
+class ConnectorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.capturer = _Capturer()
+        self.cache = RoutedExpertsCache(1024, PAGE, ROW)
+        self.connector = CacheWorkerConnector(capturer=self.capturer, cache=self.cache, max_concurrent_batches=2)
+        self.requests: dict[str, _Request] = {}
+        self.finishing: list[str] = []  # terminal events for the next metadata
+        self.in_flight: deque = deque()
+        self.retained: list[bytes] = []
+        self.generation = 0
+        self.next_id = 0
+
+    def _block_hash(self, request: _Request, block: int) -> bytes:
+        return f"{request.id}/{self.generation}/{block}".encode().ljust(12, b".")
+
+    def _metadata(self, scheduled: dict, hashes: dict, retained=(), released=()) -> AuxOutputConnectorMetadata:
+        finished, self.finishing = tuple(self.finishing), []
+        return AuxOutputConnectorMetadata(
+            generation=self.generation, requests=scheduled, block_hashes={r: packed(h) for r, h in hashes.items()},
+            finished_requests=finished, retained_block_hashes=packed(list(retained)),
+            released_block_hashes=packed(list(released)),
+        )
+
+    def _hash_updates(self, requests) -> dict:
+        """Hashes of full blocks of confirmed tokens (lookahead 1: a block is hashed once a
+        token past it exists, and a sampled token has no row yet)."""
+        updates = {}
+        for request in requests:
+            full = request.confirmed // PAGE
+            if full > request.hashed:
+                updates[request.id] = [self._block_hash(request, b) for b in range(request.hashed, full)]
+                request.hashed = full
+        return updates
+
+    @precondition(lambda self: len(self.requests) < 6)
+    @rule()
+    def add_request(self) -> None:
+        request = _Request(f"q{self.next_id}", self.generation)
+        self.next_id += 1
+        self.requests[request.id] = request
+
+    @precondition(lambda self: len(self.in_flight) < MAX_IN_FLIGHT and self.requests)
+    @rule(data=st.data())
+    def launch_step(self, data) -> None:
+        live = [r for r in self.requests.values() if r.id not in self.finishing]
+        if not live:
+            return
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique_by=lambda r: r.id))
+        scheduled, rows, starts, loc, sampled, rejected, entries = {}, [], [], [0], [], [], []
+        for request in batch:
+            decoding = request.optimistic >= 6
+            drafts = data.draw(st.integers(0, 3)) if decoding else 0
+            count = 1 + drafts if decoding else data.draw(st.integers(1, 6 - request.optimistic))
+            rejects = data.draw(st.integers(0, drafts))
+            # Scheduler view: emit from the first row the client lacks (vLLM's emit_start).
+            scheduled[request.id] = request.received
+            # The device computes from its real cursor; the batch carries the scheduler's view.
+            rows += [row_of(request.id, request.true + i) for i in range(count - rejects)] + [POISON] * rejects
+            starts.append(request.optimistic)
+            COVERAGE["reattached"] += request.optimistic > request.true - (count - rejects)
+            COVERAGE["rejected_rows"] += rejects
+            loc.append(loc[-1] + count)
+            is_sampling = decoding or request.optimistic + count >= 6
+            sampled.append(1 if is_sampling else 0)
+            rejected.append(rejects)
+            request.optimistic += count  # async: assumes every draft accepted
+            request.true += count - rejects
+            request.in_flight += 1
+            entries.append((request, count - rejects, rejects))
+        hashes = self._hash_updates(self.requests.values())
+        self.connector.begin_step(self._metadata(scheduled, hashes))
+        self.capturer.rows = torch.from_numpy(np.stack(rows))
+        batch_view = type("Batch", (), {})()
+        batch_view.req_ids = [r.id for r in batch]
+        batch_view.query_start_loc_np = np.array(loc, dtype=np.int32)
+        batch_view.num_computed_tokens_np = np.array(starts, dtype=np.int32)
+        pending = self.connector.prepare_output(batch_view)
+        pending.enqueue_cpu_copy(np.array(sampled, dtype=np.int32), np.array(rejected, dtype=np.int32))
+        self.in_flight.append((pending, entries))
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def process_oldest(self) -> None:
+        pending, entries = self.in_flight.popleft()
+        outputs = pending.process_output()
+        for request, accepted, rejects in entries:
+            # update_from_output: the scheduler learns the accepted count of this step.
+            request.in_flight -= 1
+            request.confirmed += accepted
+            request.optimistic -= rejects
+            out = outputs.get(request.id)
+            if out is None:
+                continue
+            assert out.token_start == request.received, (request.id, out.token_start, request.received)
+            positions = range(out.token_start, out.token_start + len(out.rows))
+            want = np.stack([row_of(request.id, p) for p in positions]) if len(out.rows) else out.rows
+            np.testing.assert_array_equal(out.rows, want)  # poison rows would differ
+            request.received += len(out.rows)
+            COVERAGE["delivered_rows"] += len(out.rows)
+            COVERAGE["materialized"] += out.token_start < request.confirmed - accepted
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), roll=st.integers(0, 3))
+    def finish(self, data, roll) -> None:
+        if roll:  # requests live for several steps
+            return
+        request = data.draw(st.sampled_from(sorted(self.requests.values(), key=lambda r: r.id)))
+        del self.requests[request.id]
+        self.finishing.append(request.id)
+        COVERAGE["finished_in_flight"] += request.in_flight > 0
+
+    @rule()
+    def hash_only_update(self) -> None:
+        hashes = self._hash_updates(self.requests.values())
+        self.connector.begin_step(self._metadata({}, hashes))
+
+    @rule(data=st.data())
+    def pins(self, data) -> None:
+        published = [self._block_hash(r, b) for r in self.requests.values() for b in range(min(r.hashed, r.confirmed // PAGE))]
+        retain = data.draw(st.lists(st.sampled_from(published), max_size=3)) if published else []
+        release = data.draw(st.lists(st.sampled_from(self.retained), max_size=2, unique=True)) if self.retained else []
+        self.connector.begin_step(self._metadata({}, {}, retain, release))
+        self.retained += retain
+        COVERAGE["retained"] += len(retain)
+        for block_hash in release:
+            self.retained.remove(block_hash)
+
+    @precondition(lambda self: not self.in_flight)
+    @rule(roll=st.integers(0, 19))
+    def reset_generation(self, roll) -> None:
+        if roll:  # a prefix-cache reset is rare
+            return
+        self.generation += 1
+        COVERAGE["generations"] += 1
+        self.connector.begin_step(self._metadata({}, {}))
+        self.requests.clear()
+        self.finishing.clear()
+        self.retained.clear()
+
+    @invariant()
+    def accounting(self) -> None:
+        self.cache.check_consistency()
+        in_flight = {request.id for _, entries in self.in_flight for request, _, _ in entries}
+        assert self.cache.stats()["requests"] <= len(set(self.requests) | set(self.finishing) | in_flight)
+        for block_hash in self.retained:
+            assert self.cache.is_published(block_hash), "a retained block was evicted"
+
+    def teardown(self) -> None:
+        while self.in_flight:
+            self.process_oldest()
+        self.connector.close()
+
+
+def test_connector_against_the_model():
+    run_state_machine_as_test(ConnectorMachine, settings=settings(
+        max_examples=300, stateful_step_count=60, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ))
+    # The runs must have exercised what this test claims to check.
+    for what in ("reattached", "rejected_rows", "finished_in_flight", "delivered_rows", "materialized",
+                 "generations", "retained"):
+        assert COVERAGE[what] > 0, (what, dict(COVERAGE))
