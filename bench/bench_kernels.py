@@ -85,7 +85,7 @@ def run(device: torch.device, quick: bool) -> list[dict]:
             }
             # The kernel must be right before it is timed.
             candidates[("gather", ours_label)]()
-            if not torch.equal(packed_flat.view(torch.uint8), pool_flat[row_index].view(torch.uint8)):
+            if not torch.equal(packed_index_view, index_view[row_index]):
                 raise RuntimeError(f"gather result wrong for {spec_name} {workload}")
             for (op, impl), fn in candidates.items():
                 seconds = time_call(fn, device, repeats=5 if total >= 2**20 else 20)
