@@ -16,49 +16,26 @@ if not vllm.__version__.startswith("0.33"):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
-    AuxOutputConnectorMetadata,
-    PackedBlockHashes,
-)
+from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata  # noqa: E402
 
 from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache  # noqa: E402
 from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, ConnectorStateError  # noqa: E402
 
-PAGE, ROW = 4, (2, 3)
-
-
-def row_of(request_id: str, position: int) -> np.ndarray:
-    """The routing row of a request's position: a fixed function, distinct per request."""
-    seed = sum(map(ord, request_id)) * 7919 + position * 104729
-    return ((np.arange(6) * 31 + seed) % 251).astype(np.uint8).reshape(ROW)
 
 
 def block_hash(request_id: str, block: int) -> bytes:
     return f"{request_id}/{block}".encode().ljust(16, b".")
 
 
-class Capturer:
-    def __init__(self) -> None:
-        self.rows = None
-
-    def snapshot_routing_data(self, num_tokens: int) -> torch.Tensor:
-        if self.rows is None or self.rows.shape[0] != num_tokens:
-            raise AssertionError("snapshot size mismatch")
-        return self.rows
-
-
 def metadata(requests=None, hashes=None, finished=(), generation=0, retained=(), released=()):
-    def packed(items):
-        items = list(items)
-        return PackedBlockHashes(b"".join(items), len(items[0])) if items else None
-
     return AuxOutputConnectorMetadata(
         generation=generation,
         requests=dict(requests or {}),
-        block_hashes={r: packed(h) for r, h in (hashes or {}).items()},
+        block_hashes={r: pack_hashes(h) for r, h in (hashes or {}).items()},
         finished_requests=tuple(finished),
-        retained_block_hashes=packed(retained),
-        released_block_hashes=packed(released),
+        retained_block_hashes=pack_hashes(retained),
+        released_block_hashes=pack_hashes(released),
     )
 
 
@@ -66,7 +43,7 @@ class Driver:
     """Feeds one connector the way Model Runner V2 does; steps are (request, start, count)."""
 
     def __init__(self, num_pages: int = 64) -> None:
-        self.capturer = Capturer()
+        self.capturer = FixedCapturer()
         self.cache = RoutedExpertsCache(num_pages, PAGE, ROW)
         self.connector = CacheWorkerConnector(capturer=self.capturer, cache=self.cache, max_concurrent_batches=2)
 
@@ -81,11 +58,7 @@ class Driver:
             starts.append(start)
             loc.append(loc[-1] + count)
         self.capturer.rows = torch.from_numpy(np.stack(rows))
-        batch_ns = type("Batch", (), {})()
-        batch_ns.req_ids = [r for r, _, _ in batch]
-        batch_ns.query_start_loc_np = np.array(loc, dtype=np.int32)
-        batch_ns.num_computed_tokens_np = np.array(starts, dtype=np.int32)
-        pending = self.connector.prepare_output(batch_ns)
+        pending = self.connector.prepare_output(input_batch([r for r, _, _ in batch], loc, starts))
         rejected = rejected or [0] * len(batch)
         pending.enqueue_cpu_copy(np.ones(len(batch), dtype=np.int32), np.array(rejected, dtype=np.int32))
         return pending

@@ -27,29 +27,14 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
     run_state_machine_as_test,
 )
-from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata, PackedBlockHashes  # noqa: E402
+from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata  # noqa: E402
 
 from routed_experts_cache.connector import RoutedExpertsCache  # noqa: E402
 from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector  # noqa: E402
 
-PAGE, ROW, MAX_IN_FLIGHT = 4, (2, 3), 2
+MAX_IN_FLIGHT = 2
 POISON = np.full(ROW, 255, dtype=np.uint8)
-
-
-def row_of(request_id: str, position: int) -> np.ndarray:
-    seed = sum(map(ord, request_id)) * 7919 + position * 104729
-    return ((np.arange(6) * 31 + seed) % 251).astype(np.uint8).reshape(ROW)
-
-
-def packed(hashes):
-    return PackedBlockHashes(b"".join(hashes), len(hashes[0])) if hashes else None
-
-
-class _Capturer:
-    rows = None
-
-    def snapshot_routing_data(self, num_tokens: int) -> torch.Tensor:
-        return self.rows
 
 
 class _Request:
@@ -70,7 +55,7 @@ COVERAGE = Counter()  # what the runs exercised, checked after all examples
 class ConnectorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.capturer = _Capturer()
+        self.capturer = FixedCapturer()
         self.cache = RoutedExpertsCache(1024, PAGE, ROW)
         self.connector = CacheWorkerConnector(capturer=self.capturer, cache=self.cache, max_concurrent_batches=2)
         self.requests: dict[str, _Request] = {}
@@ -86,9 +71,9 @@ class ConnectorMachine(RuleBasedStateMachine):
     def _metadata(self, scheduled: dict, hashes: dict, retained=(), released=()) -> AuxOutputConnectorMetadata:
         finished, self.finishing = tuple(self.finishing), []
         return AuxOutputConnectorMetadata(
-            generation=self.generation, requests=scheduled, block_hashes={r: packed(h) for r, h in hashes.items()},
-            finished_requests=finished, retained_block_hashes=packed(list(retained)),
-            released_block_hashes=packed(list(released)),
+            generation=self.generation, requests=scheduled, block_hashes={r: pack_hashes(h) for r, h in hashes.items()},
+            finished_requests=finished, retained_block_hashes=pack_hashes(retained),
+            released_block_hashes=pack_hashes(released),
         )
 
     def _hash_updates(self, requests) -> dict:
@@ -140,11 +125,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         hashes = self._hash_updates(self.requests.values())
         self.connector.begin_step(self._metadata(scheduled, hashes))
         self.capturer.rows = torch.from_numpy(np.stack(rows))
-        batch_view = type("Batch", (), {})()
-        batch_view.req_ids = [r.id for r in batch]
-        batch_view.query_start_loc_np = np.array(loc, dtype=np.int32)
-        batch_view.num_computed_tokens_np = np.array(starts, dtype=np.int32)
-        pending = self.connector.prepare_output(batch_view)
+        pending = self.connector.prepare_output(input_batch([r.id for r in batch], loc, starts))
         pending.enqueue_cpu_copy(np.array(sampled, dtype=np.int32), np.array(rejected, dtype=np.int32))
         self.in_flight.append((pending, entries))
 
