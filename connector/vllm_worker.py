@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from threading import Lock
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger("vllm.routed_experts_cache")
+BACKEND_ENV = "ROUTED_EXPERTS_CACHE_BACKEND"
 
 
 class ConnectorStateError(RoutedExpertsCacheError):
@@ -313,7 +315,8 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
     With vLLM 0.33's pins, the scheduler keeps up to its KV capacity of finished blocks
     retained whether or not their KV is still cached, on top of the blocks live requests
     hold: the KV-sized part is counted once for each.
-    ``aux_output_config.max_bytes``, when set, replaces the KV-sized part.
+    ``aux_output_config.max_bytes``, when set, replaces the KV-sized part. The copy backend
+    is ``ROUTED_EXPERTS_CACHE_BACKEND`` (auto / triton / torch; auto = Triton on CUDA).
     """
     scheduler_config = vllm_config.scheduler_config
     scheduler_block_size, page_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -333,7 +336,7 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
     )
     return RoutedExpertsCache(
         shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype,
-        device=capturer.device_buffer.device,
+        device=capturer.device_buffer.device, backend=os.environ.get(BACKEND_ENV, "auto"),
     )
 
 

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of  # noqa: E402
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata  # noqa: E402
 
-from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache  # noqa: E402
+from cpu_harness.vllm033 import SnapshotCapturer, build_our_connector, make_scheduler  # noqa: E402
+from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError  # noqa: E402
 from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, ConnectorStateError  # noqa: E402
 
 
@@ -241,3 +242,14 @@ def test_begin_step_and_process_output_on_two_threads():
             position += len(rows)
     assert sum(len(c) for c in received.values()) > 2000
     driver.cache.check_consistency()
+
+
+def test_backend_is_chosen_by_environment(monkeypatch):
+    setup = make_scheduler(lookahead=1)
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "torch")
+    assert build_our_connector(setup, SnapshotCapturer()).cache.backend == "torch"
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "triton")  # on CPU under TRITON_INTERPRET=1
+    assert build_our_connector(setup, SnapshotCapturer()).cache.backend == "triton"
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "cuda-graphs")
+    with pytest.raises(RoutedExpertsCacheError, match="backend must be"):
+        build_our_connector(setup, SnapshotCapturer())
