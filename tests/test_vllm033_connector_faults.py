@@ -253,3 +253,16 @@ def test_backend_is_chosen_by_environment(monkeypatch):
     monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "cuda-graphs")
     with pytest.raises(RoutedExpertsCacheError, match="backend must be"):
         build_our_connector(setup, SnapshotCapturer())
+
+
+def test_returned_arrays_are_owned_and_survive_page_reuse():
+    driver = Driver(num_pages=6)
+    first = driver.step(metadata({"a": 0, "b": 0}), [("a", 0, 6), ("b", 0, 5)])
+    kept = {r: (out.token_start, out.rows) for r, out in first.items()}  # no copies taken
+    assert all(out.rows.base is None or not np.shares_memory(out.rows, driver.cache.pages.numpy()) for out in first.values())
+    driver.step(metadata(finished=["a", "b"]), [])
+    for k in range(3):  # every page is reused by later requests
+        driver.step(metadata({f"n{k}": 0}, finished=[f"n{k - 1}"] if k else []), [(f"n{k}", 0, 12)])
+    assert driver.cache.stats()["free"] <= 3
+    for request_id, (start, rows) in kept.items():
+        np.testing.assert_array_equal(rows, np.stack([row_of(request_id, p) for p in range(start, start + len(rows))]))
