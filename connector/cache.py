@@ -21,7 +21,6 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from math import prod
-from typing import NamedTuple
 
 import torch
 
@@ -46,15 +45,6 @@ class _Request:
         if self.first_block is None:  # nothing captured yet: every hashed block is a prefix block
             return len(self.hashes) * page_size
         return self.first_block * page_size
-
-
-class _CapturePlan(NamedTuple):
-    request_id: object
-    request: _Request
-    start: int
-    new_blocks: range
-    source_start: int
-    count: int
 
 
 def _check_request_id(request_id) -> None:
@@ -162,9 +152,9 @@ class RoutedExpertsCache:
         spans = list(spans)
         self._check_rows("<batch>", source)
         plans = self._plan_captures(source.shape[0], spans)
-        num_new_pages = sum(len(plan.new_blocks) for plan in plans)
+        num_new_pages = sum(num_new for *_, num_new in plans)
         if num_new_pages > len(self._free) + len(self._evictable):
-            wanted = ", ".join(f"{plan.request_id!r} [{plan.start}, {plan.start + plan.count})" for plan in plans)
+            wanted = ", ".join(f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans)
             raise CacheFullError(
                 f"capture of {wanted} needs {num_new_pages} new pages; only {len(self._free)} "
                 f"free and {len(self._evictable)} evictable of {self.num_pages} (the rest are "
@@ -172,17 +162,17 @@ class RoutedExpertsCache:
             )
         if not plans:
             return
+        size = self.page_size
         seg_start, seg_source_row, seg_target_row = [0], [], []
-        for plan in plans:
-            request = plan.request
+        for request_id, request, start, source_row, count, num_new in plans:
             if request.first_block is None:
-                request.first_block = plan.start // self.page_size
-                self._counters["prefix_hit_rows"] += plan.start
-            if plan.new_blocks:
-                request.own_pages.extend(self._allocate_page() for _ in plan.new_blocks)
-            self._requests[plan.request_id] = request
-            position, end, source_row = plan.start, plan.start + plan.count, plan.source_start
-            size, own_pages, first_block = self.page_size, request.own_pages, request.first_block
+                request.first_block = start // size
+                self._requests[request_id] = request
+                self._counters["prefix_hit_rows"] += start
+            own_pages, first_block = request.own_pages, request.first_block
+            for _ in range(num_new):
+                own_pages.append(self._allocate_page())
+            position, end = start, start + count
             while position < end:
                 block = position // size
                 block_end = (block + 1) * size
@@ -196,9 +186,8 @@ class RoutedExpertsCache:
         source_words = as_row_words(source.to(self.device, self.dtype).contiguous())
         self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
         self._counters["captured_rows"] += seg_start[-1]
-        for plan in plans:
-            request = plan.request
-            if request.first_block + request.num_settled < min(request.cursor // self.page_size, len(request.hashes)):
+        for _, request, *_ in plans:
+            if request.first_block + request.num_settled < min(request.cursor // size, len(request.hashes)):
                 self._settle(request)
 
     def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
@@ -219,12 +208,15 @@ class RoutedExpertsCache:
                 f"got {list(rows.shape)}"
             )
 
-    def _plan_captures(self, num_source_rows: int, spans) -> list["_CapturePlan"]:
-        """Check every span against the request cursors as they will be; change nothing."""
-        plans: list[_CapturePlan] = []
+    def _plan_captures(self, num_source_rows: int, spans) -> list[tuple]:
+        """Check every span against the request cursors as they will be; change nothing.
+
+        Returns ``(request_id, request, start, source_start, count, new pages)`` per span.
+        """
+        plans, size = [], self.page_size
         simulated: dict[object, tuple[_Request, int | None, int]] = {}
         for span in spans:
-            if not isinstance(span, tuple) or len(span) != 4:
+            if type(span) is not tuple or len(span) != 4:
                 raise InvalidCaptureError(f"a capture span is (request_id, start, source_start, count), got {span!r}")
             request_id, start, source_start, count = span
             if not (type(start) is type(source_start) is type(count) is int and start >= 0 and source_start >= 0 and count >= 0):
@@ -241,26 +233,28 @@ class RoutedExpertsCache:
                 )
             if count == 0:
                 continue
-            if request_id not in simulated:
+            known = simulated.get(request_id)
+            if known is None:
                 request = self._requests.get(request_id) or _Request()
-                simulated[request_id] = (request, request.first_block, request.cursor)
-            request, first_block, cursor = simulated[request_id]
+                first_block, cursor = request.first_block, request.cursor
+            else:
+                request, first_block, cursor = known
             if first_block is None:
-                if start % self.page_size:
+                if start % size:
                     raise InvalidCaptureError(
                         f"request {request_id!r}: first capture must start on a page boundary "
-                        f"(page size {self.page_size}), got position {start}"
+                        f"(page size {size}), got position {start}"
                     )
-                first_block, cursor = start // self.page_size, start
+                first_block, cursor = start // size, start
             elif start != cursor:
                 kind = "gap" if start > cursor else "overlap"
                 raise InvalidCaptureError(
                     f"request {request_id!r}: capture at [{start}, {start + count}) leaves a {kind}; "
-                    f"captured rows are [{first_block * self.page_size}, {cursor}), next position {cursor}"
+                    f"captured rows are [{first_block * size}, {cursor}), next position {cursor}"
                 )
             end = start + count
-            new_blocks = range(-(-cursor // self.page_size), -(-end // self.page_size))
-            plans.append(_CapturePlan(request_id, request, start, new_blocks, source_start, count))
+            new_pages = (end + size - 1) // size - (cursor + size - 1) // size  # blocks begun past the cursor
+            plans.append((request_id, request, start, source_start, count, new_pages))
             simulated[request_id] = (request, first_block, end)
         return plans
 
