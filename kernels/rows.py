@@ -30,9 +30,20 @@ def interpreting() -> bool:
 
 
 def tile_shape(num_rows: int, row_words: int) -> tuple[int, int]:
-    """(rows per program, words per column block) for a launch over ``num_rows`` rows."""
+    """(rows per program, words per column block) for a launch over ``num_rows`` rows.
+
+    Compiled, the tile depends only on the row width, so a serving process compiles one
+    variant per row shape instead of one per batch size; the interpreter has no compile cost
+    and shrinks the tile to the batch instead.
+    """
     word_block = min(MAX_WORD_BLOCK, 1 << max(0, row_words - 1).bit_length())
-    tile_words = _INTERPRETED_TILE_WORDS if interpreting() else _COMPILED_TILE_WORDS
-    rows_per_program = max(1, tile_words // word_block)
-    rows_per_program = min(rows_per_program, 1 << max(0, num_rows - 1).bit_length())
-    return rows_per_program, word_block
+    if not interpreting():
+        return max(1, _COMPILED_TILE_WORDS // word_block), word_block
+    rows_per_program = max(1, _INTERPRETED_TILE_WORDS // word_block)
+    return min(rows_per_program, 1 << max(0, num_rows - 1).bit_length()), word_block
+
+
+def search_steps(num_segments: int) -> int:
+    """Binary-search iterations for ``num_segments`` segments, rounded up to a multiple of 4
+    (extra iterations are no-ops) so that few kernel variants get compiled."""
+    return max(4, -(-num_segments.bit_length() // 4) * 4)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import tile_shape
+from .rows import search_steps, tile_shape
 
 
 @triton.jit
@@ -81,5 +81,5 @@ def copy_segments(
         source.shape[1],
         ROWS=rows_per_program,
         WORDS=word_block,
-        SEARCH_STEPS=max(1, num_segments.bit_length()),
+        SEARCH_STEPS=search_steps(num_segments),
     )

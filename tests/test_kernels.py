@@ -16,7 +16,7 @@ import torch
 import triton
 
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy
-from routed_experts_cache.kernels.rows import MAX_WORD_BLOCK, tile_shape
+from routed_experts_cache.kernels.rows import MAX_WORD_BLOCK, search_steps, tile_shape
 from routed_experts_cache.kernels.segment_copy import copy_segments
 
 PAGE = 8
@@ -159,6 +159,21 @@ def test_tile_shape_rows_per_program_is_a_power_of_two_covering_the_words():
             assert word_block & (word_block - 1) == 0
             assert word_block >= min(row_words, MAX_WORD_BLOCK)
             assert rows_per_program >= 1
+
+
+def test_compiled_tile_depends_only_on_the_row_width(monkeypatch):
+    """One compiled kernel variant per row shape, whatever the batch size."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for row_words in (1, 96, 122, 240):
+        assert len({tile_shape(num_rows, row_words) for num_rows in (1, 5, 643, 1 << 20)}) == 1
+
+
+def test_search_steps_cover_every_segment_count_with_few_variants():
+    counts = list(range(1, 5000)) + [1 << 20, (1 << 20) + 1]
+    for n in counts:
+        steps = search_steps(n)
+        assert (1 << steps) > n and steps % 4 == 0  # enough halvings to isolate any of n segments
+    assert len({search_steps(n) for n in counts}) <= 5
 
 
 @pytest.mark.parametrize("pattern", sorted(RUN_PATTERNS) + ["many_intervals"])
