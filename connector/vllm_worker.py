@@ -104,10 +104,17 @@ class CacheWorkerConnector:
         self._max_concurrent_batches = max_concurrent_batches
         self._lock = Lock()
         self._stream = torch.cuda.Stream(device=cache.device) if cache is not None and cache.device.type == "cuda" else None
+        self._reattachments = 0
 
     @property
     def cache(self) -> RoutedExpertsCache | None:
         return self._cache
+
+    def stats(self) -> dict[str, int]:
+        """The cache's page counts and counters, plus the steps that re-attached a request."""
+        with self._lock:
+            cache_stats = self._cache.stats() if self._cache is not None else {}
+            return {**cache_stats, "reattachments": self._reattachments, "requests_tracked": len(self._requests)}
 
     # ---------------------------------------------------------- model thread
 
@@ -246,7 +253,7 @@ class CacheWorkerConnector:
     def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
         if pending.num_sampled is None or pending.num_rejected is None:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
-        spans, emits, updates = [], [], []
+        spans, emits, updates, reattached = [], [], [], 0
         for request_id, token_start, start, end, sampled, rejected in zip(
             pending.request_ids,
             pending.token_starts.tolist(),
@@ -276,6 +283,7 @@ class CacheWorkerConnector:
                         f"request {request_id!r}: rows [{cursor}, {capture_start}) were never scheduled"
                     )
                 capture_start = cursor
+                reattached += 1
             token_end = capture_start + num_rows - rejected
             spans.append((request_id, capture_start, start, num_rows - rejected))
             if sampled > 0 and state.emit_cursor <= token_end:
@@ -285,6 +293,7 @@ class CacheWorkerConnector:
         for state, token_end, scheduled_end in updates:
             state.capture_cursor = token_end
             state.scheduled_cursor = scheduled_end
+        self._reattachments += reattached
         packed, offsets = self._cache.read_packed(emits)
         host_rows = packed.cpu().numpy()
         for request_id, _, token_end in emits:

@@ -44,12 +44,12 @@ def make_llm(model_path, **overrides):
 
 
 def connector_stats(llm) -> dict:
-    """The worker connector's class name and, for ours, the cache's stats."""
+    """The worker connector's class name and, for ours, its stats (cache and connector)."""
 
     def probe(worker):
         connector = worker.model_runner.aux_output_connector
-        cache = getattr(connector, "cache", None)
-        return {"class": type(connector).__name__, "stats": cache.stats() if cache is not None else None}
+        stats = connector.stats() if hasattr(connector, "stats") else None
+        return {"class": type(connector).__name__, "stats": stats}
 
     return llm.collective_rpc(probe)[0]
 

@@ -207,6 +207,7 @@ def test_mixed_workload_exact_rows(engines, lookahead, async_scheduling):
     assert 0 < stats.drafts_rejected < stats.drafts_fed
     assert stats.max_pending_pages >= 1
     assert (stats.reattached > 0) == async_scheduling
+    assert engine.connector.stats()["reattachments"] == stats.reattached  # every one was re-attached
     assert stats.rows_checked > 0
     cache_stats = engine.connector.cache.stats()
     assert cache_stats["prefix_hit_rows"] > 0
