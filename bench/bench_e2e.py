@@ -68,7 +68,7 @@ def main() -> None:
 
     import torch
 
-    from bench.common import print_table, results_dir, write_csv
+    from bench.common import print_table, save_csv
     from cpu_harness.engine import prepare_environment
     from cpu_harness.tiny_moe import build_tiny_qwen3_moe
 
@@ -92,9 +92,7 @@ def main() -> None:
         row["vs_off"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     print()
     print_table(rows, list(rows[0]))
-    out = results_dir(torch.device("cpu"))
-    write_csv(out / "e2e_throughput.csv", rows)
-    print(f"\nwrote {out / 'e2e_throughput.csv'}")
+    save_csv(rows, "e2e_throughput.csv", torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, results_dir, write_csv  # noqa: E402
+from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm033 import (  # noqa: E402
     SimEngine,
     SnapshotCapturer,
@@ -276,10 +276,9 @@ def main() -> None:
               f"({ours['host_only_ratio_to_vllm']:.2f})", flush=True)
     print()
     print_table(rows, list(rows[0]))
-    out = results_dir(torch.device("cpu"))
-    write_csv(out / "host_overhead.csv", rows)
-    plot(rows, out / "host_overhead.png")
-    print(f"\nwrote {out / 'host_overhead.csv'} and {out / 'host_overhead.png'}")
+    csv_path = save_csv(rows, "host_overhead.csv", torch.device("cpu"))
+    plot(rows, csv_path.with_suffix(".png"))
+    print(f"wrote {csv_path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

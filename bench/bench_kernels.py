@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_label, print_table, results_dir, time_call, write_csv  # noqa: E402
+from bench.common import machine_label, print_table, save_csv, time_call  # noqa: E402
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, load_triton_copy  # noqa: E402
 
 PAGE = 16
@@ -145,15 +145,14 @@ def main() -> None:
     results = run(device, args.quick)
     for row in results:
         row["frac_of_peak_copy"] = row["GBps"] / peak
-    out = results_dir(device)
-    write_csv(out / "kernels.csv", results)
-    plot(results, peak, out / "kernels.png")
     print(f"\npeak device copy: {peak:.1f} GB/s (read + written)")
     print_table(
         [r for r in results if not r["workload"].startswith("rows-") or r["total_rows"] >= 2**20],
         ["rows", "workload", "op", "impl", "total_rows", "us", "GBps", "frac_of_peak_copy"],
     )
-    print(f"\nwrote {out / 'kernels.csv'} and {out / 'kernels.png'}")
+    csv_path = save_csv(results, "kernels.csv", device)
+    plot(results, peak, csv_path.with_suffix(".png"))
+    print(f"wrote {csv_path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

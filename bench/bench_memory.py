@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import print_table, results_dir, write_csv  # noqa: E402
+from bench.common import print_table, save_csv  # noqa: E402
 
 # (layers captured, top_k, number of experts): vLLM captures every hidden layer's row.
 MODELS = {
@@ -61,9 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = rows_for(args.kv_tokens)
     print_table(rows, list(rows[0]))
-    out = results_dir(torch.device("cpu"))
-    write_csv(out / "memory.csv", rows)
-    print(f"\nwrote {out / 'memory.csv'}")
+    save_csv(rows, "memory.csv", torch.device("cpu"))
 
 
 if __name__ == "__main__":

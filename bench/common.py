@@ -29,11 +29,15 @@ def results_dir(device: torch.device) -> Path:
     return path
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def save_csv(rows: list[dict], name: str, device: torch.device) -> Path:
+    """Write ``rows`` to ``<results dir>/<name>`` and say where."""
+    path = results_dir(device) / name
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    print(f"wrote {path}")
+    return path
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
