@@ -135,6 +135,8 @@ class RoutedExpertsCache:
             self._check_rows(item[0], item[2])
         if not items:
             return
+        for request_id, start, rows in items:
+            self._check_values(rows, [(request_id, start, 0, rows.shape[0])])
         source = torch.cat([rows.to(self.device, self.dtype) for _, _, rows in items])
         spans, offset = [], 0
         for request_id, start, rows in items:
@@ -152,6 +154,7 @@ class RoutedExpertsCache:
         spans = list(spans)
         self._check_rows("<batch>", source)
         plans = self._plan_captures(source.shape[0], spans)
+        self._check_values(source, spans)
         num_new_pages = sum(num_new for *_, num_new in plans)
         if num_new_pages > len(self._free) + len(self._evictable):
             wanted = ", ".join(f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans)
@@ -207,6 +210,31 @@ class RoutedExpertsCache:
                 f"request {request_id!r}: rows must have shape [n, {', '.join(map(str, self.row_shape))}], "
                 f"got {list(rows.shape)}"
             )
+
+    def _check_values(self, source: torch.Tensor, spans) -> None:
+        """Refuse rows whose ids do not fit the pool dtype: narrowing them would store wrong ids.
+
+        Costs nothing when the source dtype fits (the vLLM path); otherwise one reduction and
+        one host copy of the offending row numbers.
+        """
+        wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
+        if wide.min >= narrow.min and wide.max <= narrow.max:
+            return
+        rows = source.reshape(source.shape[0], -1)
+        if rows.dtype in (torch.uint16, torch.uint32):  # torch has no comparisons for these
+            rows = rows.to(torch.int64)
+        bad_rows = ((rows < narrow.min) | (rows > narrow.max)).any(1).nonzero().flatten().cpu()
+        if bad_rows.numel() == 0:
+            return
+        for request_id, start, source_start, count in spans:
+            first_bad = int(torch.searchsorted(bad_rows, source_start))
+            if first_bad < bad_rows.numel() and bad_rows[first_bad] < source_start + count:
+                row = int(bad_rows[first_bad])
+                raise InvalidCaptureError(
+                    f"request {request_id!r}: row at position {start + row - source_start} of capture "
+                    f"[{start}, {start + count}) holds ids outside the pool dtype {self.dtype} "
+                    f"[{narrow.min}, {narrow.max}]: {source[row].flatten().tolist()}"
+                )
 
     def _plan_captures(self, num_source_rows: int, spans) -> list[tuple]:
         """Check every span against the request cursors as they will be; change nothing.

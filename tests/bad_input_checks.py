@@ -59,6 +59,8 @@ BAD_CALLS = {
     "capture bool start": (lambda c: c.capture("a", True, rows(2)), RoutedExpertsCacheError),
     "capture list id": (lambda c: c.capture(["a"], 6, rows(2)), RoutedExpertsCacheError),
     "capture None id": (lambda c: c.capture(None, 0, rows(2)), RoutedExpertsCacheError),
+    "capture id above uint8": (lambda c: c.capture("a", 6, rows(2) + 250), InvalidCaptureError),
+    "capture negative id": (lambda c: c.capture("a", 6, rows(2) - 1), InvalidCaptureError),
     "capture too big": (lambda c: c.capture("new", 0, rows(40)), CacheFullError),
     "capture_many bad second item": (lambda c: c.capture_many([("a", 6, rows(2)), ("b", 9, rows(1))]), InvalidCaptureError),
     "capture_many not a tuple": (lambda c: c.capture_many([("a", 6, rows(2)), "b"]), InvalidCaptureError),

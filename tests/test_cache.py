@@ -285,6 +285,19 @@ def test_capture_many_validates_every_item_before_writing(make_cache, gen, case)
     assert_rows(cache.read("x", 0, 8), u8(torch.cat([rows_x, rows_b])))
 
 
+def test_ids_that_do_not_fit_are_refused_only_inside_captured_spans(make_cache, gen):
+    # A source row no span takes (a rejected draft, padding) may hold anything.
+    cache = make_cache(4)
+    source = rand_rows(gen, 6)
+    source[2, 0, 1] = -5
+    source[5, 2, 0] = 70000
+    cache.capture_from(source, [("a", 0, 0, 2), ("a", 2, 3, 2)])
+    assert_rows(cache.read("a", 0, 4), u8(torch.cat([source[:2], source[3:5]])))
+    with pytest.raises(InvalidCaptureError, match="position 4 .*70000"):
+        cache.capture_from(source, [("a", 4, 5, 1)])
+    assert_accounting(cache)
+
+
 def test_capture_from_spans_of_one_source_with_gaps(make_cache, gen):
     cache = make_cache(8)
     source = rand_rows(gen, 13)
@@ -335,6 +348,13 @@ def _populated(make_cache, gen):
 
 def _r(n):
     return torch.arange(n * 6, dtype=torch.int64).view(n, *ROW) % 251
+
+
+def _with_value(rows, row, value, dtype=torch.int64):
+    """``rows`` with one id set to ``value`` (outside a uint8 pool's range) in row ``row``."""
+    rows = rows.clone()
+    rows[row, 1, 0] = value
+    return rows.to(dtype)
 
 
 ERROR_CASES = {
@@ -402,6 +422,31 @@ ERROR_CASES = {
         lambda c: c.capture_from(_r(3), [("a", 10, 2, 2)]),
         InvalidCaptureError,
         ["'a'", "[2, 4)", "3 source rows"],
+    ),
+    "capture_id_above_pool_dtype": (
+        lambda c: c.capture("a", 10, _with_value(_r(3), 1, 256)),
+        InvalidCaptureError,
+        ["'a'", "position 11", "[10, 13)", "torch.uint8", "[0, 255]", "256"],
+    ),
+    "capture_negative_id": (
+        lambda c: c.capture("a", 10, _with_value(_r(2), 0, -1, torch.int8)),
+        InvalidCaptureError,
+        ["'a'", "position 10", "-1"],
+    ),
+    "capture_uint16_id_above_pool_dtype": (
+        lambda c: c.capture("a", 10, _with_value(_r(2), 1, 300, torch.uint16)),
+        InvalidCaptureError,
+        ["'a'", "position 11", "300"],
+    ),
+    "capture_many_id_above_pool_dtype_in_second_item": (
+        lambda c: c.capture_many([("n", 0, _r(4)), ("a", 10, _with_value(_r(2), 0, 1000, torch.int32))]),
+        InvalidCaptureError,
+        ["'a'", "position 10", "1000"],
+    ),
+    "capture_from_id_above_pool_dtype_inside_a_span": (
+        lambda c: c.capture_from(_with_value(_r(6), 4, 999), [("n", 0, 0, 2), ("a", 10, 3, 2)]),
+        InvalidCaptureError,
+        ["'a'", "position 11", "[10, 12)", "999"],
     ),
     "capture_bad_request_id": (lambda c: c.capture(3.5, 0, _r(4)), RoutedExpertsCacheError, ["3.5"]),
     "capture_cache_full": (
