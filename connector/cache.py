@@ -220,7 +220,7 @@ class RoutedExpertsCache:
         wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
         if wide.min >= narrow.min and wide.max <= narrow.max:
             return
-        rows = source.reshape(source.shape[0], -1)
+        rows = source.flatten(1)
         if rows.dtype in (torch.uint16, torch.uint32):  # torch has no comparisons for these
             rows = rows.to(torch.int64)
         bad_rows = ((rows < narrow.min) | (rows > narrow.max)).any(1).nonzero().flatten().cpu()

@@ -9,7 +9,8 @@ page, so the host builds one per touched page (O(blocks), never O(rows)).
 
 The grid is sized by rows (``seg_start[-1]``), not by segments or requests: many one-row
 decode segments and one huge prefill segment both fill it. Each row finds its segment by a
-binary search over ``seg_start``.
+binary search over ``seg_start``. The row width is a compile-time constant (one variant per
+row shape, as the tile is): the word loop unrolls and the compiler sees the row alignment.
 """
 
 import torch
@@ -28,7 +29,7 @@ def _segment_copy_kernel(
     seg_target_row_ptr,
     num_segments,
     total_rows,
-    row_words,
+    ROW_WORDS: tl.constexpr,
     ROWS: tl.constexpr,
     WORDS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
@@ -44,11 +45,11 @@ def _segment_copy_kernel(
         lo = tl.where(go_right, mid, lo)
         hi = tl.where(go_right, hi, mid)
     within = rows - tl.load(seg_start_ptr + lo)
-    source_base = (tl.load(seg_source_row_ptr + lo) + within).to(tl.int64)[:, None] * row_words
-    target_base = (tl.load(seg_target_row_ptr + lo) + within).to(tl.int64)[:, None] * row_words
-    for first_word in range(0, row_words, WORDS):
+    source_base = (tl.load(seg_source_row_ptr + lo) + within).to(tl.int64)[:, None] * ROW_WORDS
+    target_base = (tl.load(seg_target_row_ptr + lo) + within).to(tl.int64)[:, None] * ROW_WORDS
+    for first_word in tl.static_range(0, ROW_WORDS, WORDS):
         words = first_word + tl.arange(0, WORDS)
-        mask = row_mask[:, None] & (words < row_words)[None, :]
+        mask = row_mask[:, None] & (words < ROW_WORDS)[None, :]
         values = tl.load(source_ptr + source_base + words[None, :], mask=mask)
         tl.store(target_ptr + target_base + words[None, :], values, mask=mask)
 
@@ -78,7 +79,7 @@ def copy_segments(
         seg_target_row,
         num_segments,
         total_rows,
-        source.shape[1],
+        ROW_WORDS=source.shape[1],
         ROWS=rows_per_program,
         WORDS=word_block,
         SEARCH_STEPS=search_steps(num_segments),

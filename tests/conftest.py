@@ -1,18 +1,25 @@
 """Shared fixtures of the core tests (cache and kernels).
 
-Triton kernels run on CPU tensors under the interpreter, which must be switched on before
-any Triton kernel module is imported: hence the environment variable at import time.
+The core tests run on CPU by default: Triton kernels then run on CPU tensors under the
+interpreter, which must be switched on before any Triton kernel module is imported (hence the
+environment variable at import time). ``ROUTED_EXPERTS_TEST_DEVICE=cuda`` runs the same tests
+on a GPU with compiled kernels (``bench/run_gpu.sh`` does).
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+TEST_DEVICE = os.environ.get("ROUTED_EXPERTS_TEST_DEVICE", "cpu")
+ON_CPU = TEST_DEVICE == "cpu"
+if ON_CPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from routed_experts_cache.connector import RoutedExpertsCache  # noqa: E402
 
+if not ON_CPU and not torch.cuda.is_available():
+    raise RuntimeError(f"ROUTED_EXPERTS_TEST_DEVICE={TEST_DEVICE!r} but CUDA is not available")
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request) -> str:
@@ -25,7 +32,7 @@ def make_cache(backend):
     """Factory: ``make_cache(num_pages, page_size=4, row_shape=(3, 2), dtype=torch.uint8)``."""
 
     def make(num_pages, page_size=4, row_shape=(3, 2), dtype=torch.uint8):
-        return RoutedExpertsCache(num_pages, page_size, row_shape, dtype=dtype, device="cpu", backend=backend)
+        return RoutedExpertsCache(num_pages, page_size, row_shape, dtype=dtype, device=TEST_DEVICE, backend=backend)
 
     return make
 

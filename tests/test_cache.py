@@ -9,6 +9,7 @@ import hashlib
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from routed_experts_cache.connector import (
     CacheFullError,
@@ -41,7 +42,7 @@ def states(cache, *keys):
 
 def assert_rows(actual, expected):
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    assert torch.equal(actual, expected), f"rows differ:\n{actual}\n!=\n{expected}"
+    assert torch.equal(actual.cpu(), expected.cpu()), f"rows differ:\n{actual}\n!=\n{expected}"
 
 
 def assert_unavailable(cache, request_id, start, end):
@@ -177,9 +178,9 @@ def test_rows_of_any_integer_dtype_are_stored_narrowed_to_the_pool_dtype(make_ca
     cache.capture("a", 0, values.to(row_dtype))
     out = cache.read("a", 0, 7)
     assert out.dtype == pool_dtype == cache.pages.dtype
-    assert out.device == cache.pages.device == torch.device("cpu")
+    assert out.device == cache.pages.device and out.device.type == torch.device(TEST_DEVICE).type
     assert out.shape == (7, *ROW)
-    assert torch.equal(out.to(torch.int64), values)
+    assert torch.equal(out.cpu().to(torch.int64), values)
     assert cache.pages.element_size() == torch.empty((), dtype=pool_dtype).element_size()
 
 
@@ -187,7 +188,7 @@ def test_int32_pool_keeps_negative_and_large_values(make_cache, gen):
     cache = make_cache(4, dtype=torch.int32, row_shape=(5,))
     values = torch.randint(-(2**31), 2**31 - 1, (6, 5), generator=gen, dtype=torch.int64)
     cache.capture("a", 0, values)
-    assert torch.equal(cache.read("a", 0, 6).to(torch.int64), values)
+    assert torch.equal(cache.read("a", 0, 6).cpu().to(torch.int64), values)
 
 
 @pytest.mark.parametrize("row_shape", [(3, 1), (2, 2), (61, 8)], ids=str)

@@ -38,6 +38,7 @@ from functools import lru_cache
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -165,7 +166,7 @@ class CacheMachine(RuleBasedStateMachine):
         # admission); False: a block's hash exists only once L tokens past it are captured
         self.prompt_hashes_early = prompt_hashes_early
         self.cache = RoutedExpertsCache(
-            num_pages, page_size, self.row_shape, dtype=self.dtype, device="cpu", backend=self.BACKEND
+            num_pages, page_size, self.row_shape, dtype=self.dtype, device=TEST_DEVICE, backend=self.BACKEND
         )
         self.generation = 0
         self._model_clear()
@@ -361,7 +362,7 @@ class CacheMachine(RuleBasedStateMachine):
         if k and r.hit_pinned:
             out = self.cache.read(rid, 0, r.start)  # the hit is readable before any capture
             self.counters["read_rows"] += r.start
-            assert torch.equal(out, self._expected(rid, 0, r.start))
+            assert torch.equal(out.cpu(), self._expected(rid, 0, r.start))
 
     @precondition(lambda self: self.cache is not None and self.live)
     @rule(data=st.data())
@@ -611,7 +612,7 @@ class CacheMachine(RuleBasedStateMachine):
         for (rid, start, end), out in zip(intervals, results):
             expected = self._expected(rid, start, end)
             assert out.dtype == self.dtype and out.shape == expected.shape
-            assert torch.equal(out, expected), f"read {rid!r} [{start}, {end}) differs from the model"
+            assert torch.equal(out.cpu(), expected), f"read {rid!r} [{start}, {end}) differs from the model"
 
     def _read_call(self, call, intervals):
         present = all(self._present(*iv) for iv in intervals)
@@ -754,7 +755,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.finish(PROBE_ID)
         self.counters["read_rows"] += offsets[-1]
         for i, ((rid, start, end), want) in enumerate(zip(intervals, expected)):
-            assert torch.equal(packed[offsets[i] : offsets[i + 1]], want), f"{rid!r} [{start}, {end}) differs"
+            assert torch.equal(packed[offsets[i] : offsets[i + 1]].cpu(), want), f"{rid!r} [{start}, {end}) differs"
 
 
 # ------------------------------------------------------------------ the test

@@ -1,4 +1,5 @@
-"""The Triton segment copy (under the interpreter, on CPU) vs its torch twin vs naive slicing.
+"""The Triton segment copy (under the interpreter on CPU, or compiled on ``TEST_DEVICE``) vs
+its torch twin vs naive slicing.
 
 Every case runs three implementations on the same inputs:
 - ``naive``: one explicit Python slice assignment per segment, on the row tensors themselves;
@@ -14,6 +15,7 @@ import zlib
 import pytest
 import torch
 import triton
+from conftest import ON_CPU, TEST_DEVICE
 
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy
 from routed_experts_cache.kernels.rows import MAX_WORD_BLOCK, search_steps, tile_shape
@@ -107,12 +109,12 @@ def run_all_three(source, target, segments, gather: bool):
     seg_start, seg_source_row, seg_target_row, total = descriptor(segments)
     if gather:
         seg_target_row = seg_start[:-1]
-    results = []
-    for copy in (copy_segments_torch, copy_segments):
-        out = target.clone()
-        copy(as_row_words(source), as_row_words(out), seg_start, seg_source_row, seg_target_row, total)
-        results.append(out)
-    return expected, results[0], results[1]
+    twin = target.clone()
+    copy_segments_torch(as_row_words(source), as_row_words(twin), seg_start, seg_source_row, seg_target_row, total)
+    out = target.to(TEST_DEVICE, copy=True)
+    on_device = [t.to(TEST_DEVICE) for t in (source, seg_start, seg_source_row, seg_target_row)]
+    copy_segments(as_row_words(on_device[0]), as_row_words(out), *on_device[1:], total)
+    return expected, twin, out.cpu()
 
 
 def assert_same(expected, twin, tri):
@@ -121,9 +123,9 @@ def assert_same(expected, twin, tri):
     assert torch.equal(tri, twin), "Triton kernel differs from the torch twin"
 
 
-def test_interpreter_is_on_and_loader_returns_the_kernel():
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    assert interpreting()
+def test_interpreter_is_on_exactly_on_cpu_and_loader_returns_the_kernel():
+    assert (os.environ.get("TRITON_INTERPRET") == "1") == ON_CPU
+    assert interpreting() == ON_CPU
     assert load_triton_copy() is copy_segments
 
 
@@ -210,10 +212,12 @@ def test_empty_batch_changes_nothing(direction, dtype):
     pool = random_rows(gen, 4 * PAGE, (3, 1), dtype)
     other = random_rows(gen, 0 if direction == "gather" else 5, (3, 1), dtype)
     source, target = (pool, other) if direction == "gather" else (other, pool)
+    source, target = source.to(TEST_DEVICE), target.to(TEST_DEVICE)
     before = target.clone()
-    empty = torch.zeros(0, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32, device=TEST_DEVICE)
+    seg_start = torch.zeros(1, dtype=torch.int32, device=TEST_DEVICE)
     for copy in (copy_segments_torch, copy_segments):
-        copy(as_row_words(source), as_row_words(target), torch.zeros(1, dtype=torch.int32), empty, empty, 0)
+        copy(as_row_words(source), as_row_words(target), seg_start, empty, empty, 0)
         assert torch.equal(target, before)
 
 
