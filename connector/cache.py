@@ -153,9 +153,8 @@ class RoutedExpertsCache:
         """
         spans = list(spans)
         self._check_rows("<batch>", source)
-        plans = self._plan_captures(source.shape[0], spans)
+        plans, num_new_pages = self._plan_captures(source.shape[0], spans)
         self._check_values(source, spans)
-        num_new_pages = sum(num_new for *_, num_new in plans)
         if num_new_pages > len(self._free) + len(self._evictable):
             wanted = ", ".join(f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans)
             raise CacheFullError(
@@ -167,6 +166,7 @@ class RoutedExpertsCache:
             return
         size = self.page_size
         seg_start, seg_source_row, seg_target_row = [0], [], []
+        total = 0
         for request_id, request, start, source_row, count, num_new in plans:
             if request.first_block is None:
                 request.first_block = start // size
@@ -178,20 +178,20 @@ class RoutedExpertsCache:
             position, end = start, start + count
             while position < end:
                 block = position // size
-                block_end = (block + 1) * size
+                block_end = block * size + size
                 run = (end if end < block_end else block_end) - position
                 seg_source_row.append(source_row)
                 seg_target_row.append(own_pages[block - first_block] * size + position - block * size)
-                seg_start.append(seg_start[-1] + run)
+                total += run
+                seg_start.append(total)
                 position += run
                 source_row += run
             request.cursor = end
+            if first_block + request.num_settled < min(end // size, len(request.hashes)):
+                self._settle(request)  # publishes pages whose rows are written below, before any read
         source_words = as_row_words(source.to(self.device, self.dtype).contiguous())
         self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
-        self._counters["captured_rows"] += seg_start[-1]
-        for _, request, *_ in plans:
-            if request.first_block + request.num_settled < min(request.cursor // size, len(request.hashes)):
-                self._settle(request)
+        self._counters["captured_rows"] += total
 
     def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch."""
@@ -236,12 +236,13 @@ class RoutedExpertsCache:
                     f"[{narrow.min}, {narrow.max}]: {source[row].flatten().tolist()}"
                 )
 
-    def _plan_captures(self, num_source_rows: int, spans) -> list[tuple]:
+    def _plan_captures(self, num_source_rows: int, spans) -> tuple[list[tuple], int]:
         """Check every span against the request cursors as they will be; change nothing.
 
-        Returns ``(request_id, request, start, source_start, count, new pages)`` per span.
+        Returns ``(request_id, request, start, source_start, count, new pages)`` per span, and
+        the number of new pages in all.
         """
-        plans, size = [], self.page_size
+        plans, size, num_new_pages = [], self.page_size, 0
         simulated: dict[object, tuple[_Request, int | None, int]] = {}
         for span in spans:
             if type(span) is not tuple or len(span) != 4:
@@ -282,9 +283,10 @@ class RoutedExpertsCache:
                 )
             end = start + count
             new_pages = (end + size - 1) // size - (cursor + size - 1) // size  # blocks begun past the cursor
+            num_new_pages += new_pages
             plans.append((request_id, request, start, source_start, count, new_pages))
             simulated[request_id] = (request, first_block, end)
-        return plans
+        return plans, num_new_pages
 
     def _allocate_page(self) -> int:
         if self._free:
@@ -336,9 +338,10 @@ class RoutedExpertsCache:
         self._unpin(hashes)
 
     def _pin(self, hashes: list[bytes]) -> None:
-        for block_hash in hashes:
-            self._pins[block_hash] += 1
-            self._evictable.pop(block_hash, None)
+        self._pins.update(hashes)
+        if self._evictable:
+            for block_hash in hashes:
+                self._evictable.pop(block_hash, None)
 
     def _unpin(self, hashes: Iterable[bytes]) -> None:
         for block_hash in hashes:
@@ -381,9 +384,9 @@ class RoutedExpertsCache:
         """
         seg_start, seg_source_row, offsets = [0], [], [0]
         for interval in intervals:
-            if not isinstance(interval, tuple) or len(interval) != 3:
+            if type(interval) is not tuple or len(interval) != 3:
                 raise RangeUnavailableError(f"an interval is (request_id, start, end), got {interval!r}")
-            self._append_segments(*interval, seg_source_row, seg_start)
+            self._append_segments(interval[0], interval[1], interval[2], seg_source_row, seg_start)
             offsets.append(seg_start[-1])
         total = seg_start[-1]
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
@@ -408,22 +411,23 @@ class RoutedExpertsCache:
         if start == end:
             return
         size = self.page_size
-        own_start = request.own_start(size)
+        first_block, own_start = request.first_block, request.own_start(size)
         if end > own_start and end > request.cursor:
             raise self._unavailable(request_id, request, start, end)
-        position = start
+        position, total = start, seg_start[-1]
         while position < end:
             block = position // size
             if position >= own_start:
-                page = request.own_pages[block - request.first_block]
+                page = request.own_pages[block - first_block]
             else:
                 page = self._index.get(request.hashes[block]) if block < len(request.hashes) else None
                 if page is None:
                     raise self._unavailable(request_id, request, start, end)
-            block_end = (block + 1) * size
+            block_end = block * size + size
             run_end = end if end < block_end else block_end
             seg_source_row.append(page * size + position - block * size)
-            seg_start.append(seg_start[-1] + run_end - position)
+            total += run_end - position
+            seg_start.append(total)
             position = run_end
 
     def _unavailable(self, request_id, request: _Request, start: int, end: int) -> RangeUnavailableError:

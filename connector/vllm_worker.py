@@ -58,7 +58,7 @@ class _RequestState:
     finished: bool = False  # terminal event seen; teardown waits for pending_outputs == 0
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the connector keeps and removes these in a list
 class PendingCacheOutput:
     """One step's snapshot, kept on the device until the step's output is processed."""
 
