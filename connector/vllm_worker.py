@@ -67,6 +67,7 @@ class PendingCacheOutput:
     token_starts: np.ndarray
     query_start_loc: np.ndarray
     snapshot: torch.Tensor
+    snapshot_ready: torch.cuda.Event | None = None  # recorded on the model's stream (CUDA only)
     num_sampled: np.ndarray | None = None
     num_rejected: np.ndarray | None = None
 
@@ -211,6 +212,9 @@ class CacheWorkerConnector:
             query_start_loc=query_start_loc,
             snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
         )
+        if self._stream is not None:
+            pending.snapshot_ready = torch.cuda.Event()
+            pending.snapshot_ready.record()
         with self._lock:
             if len(self._pending_outputs) >= self._max_concurrent_batches:
                 raise ConnectorStateError(
@@ -237,6 +241,10 @@ class CacheWorkerConnector:
             try:
                 if self._stream is None:
                     return self._commit(pending)
+                # The side stream keeps the row copies off the model's stream. It waits for the
+                # snapshot, and the snapshot's memory is not reused before its reads finish.
+                self._stream.wait_event(pending.snapshot_ready)
+                pending.snapshot.record_stream(self._stream)
                 with torch.cuda.stream(self._stream):
                     return self._commit(pending)
             finally:
