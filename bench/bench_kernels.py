@@ -1,13 +1,16 @@
 """Gather / scatter throughput of the segment-copy kernel against torch and a device copy.
 
-    python bench/bench_kernels.py [--device cuda|cpu] [--quick]
+    python bench/bench_kernels.py [--device cuda|cpu] [--quick] [--sweep]
 
 Workloads (page size 16): decode (256 intervals of 1-4 rows), prefill (8 x 4096 rows),
 bulk (2**20 rows) and a size sweep for the plot; row shapes (48, 8) uint8 (Qwen3-30B-A3B),
 (61, 8) uint8 (DeepSeek-V3), (60, 8) uint16 (Kimi-K2-like, > 256 experts). Baselines:
-torch advanced indexing with a per-row index, and a contiguous device copy of the same bytes.
-Bandwidth counts bytes read + written. On CUDA "ours" is the Triton kernel; on CPU it is the
-torch twin (the CPU path) and every row is labelled so.
+torch advanced indexing with a precomputed per-row index, the torch twin (the same copy from
+the same segment descriptor, as the cache's torch backend runs it) on CUDA, and a contiguous
+device copy of the same bytes. Bandwidth counts bytes read + written. On CUDA "ours" is the
+Triton kernel; on CPU it is the torch twin (the CPU path) and every row is labelled so.
+``--sweep`` (CUDA) also times the kernel over rows per program and warps for the decode and
+bulk gathers, to choose the compiled tile (``kernels_sweep.csv``).
 """
 
 import argparse
@@ -15,11 +18,13 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_label, print_table, save_csv, time_call  # noqa: E402
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, load_triton_copy  # noqa: E402
+from routed_experts_cache.kernels.rows import search_steps, tile_shape  # noqa: E402
 
 PAGE = 16
 ROW_SPECS = {"qwen3-30b-a3b": ((48, 8), torch.uint8), "deepseek-v3": ((61, 8), torch.uint8), "kimi-k2": ((60, 8), torch.uint16)}
@@ -83,6 +88,10 @@ def run(device: torch.device, quick: bool) -> list[dict]:
                 ("scatter", "torch-indexing"): lambda: index_view.index_copy_(0, row_index, packed_index_view),
                 ("copy", "device-copy"): lambda: packed.copy_(source_copy),
             }
+            if device.type == "cuda":
+                candidates[("gather", "torch-twin")] = lambda: copy_segments_torch(
+                    pool_words, packed_words, seg_start, seg_pool_row, seg_start[:-1], total
+                )
             # The kernel must be right before it is timed.
             candidates[("gather", ours_label)]()
             if not torch.equal(packed_index_view, index_view[row_index]):
@@ -96,6 +105,46 @@ def run(device: torch.device, quick: bool) -> list[dict]:
                     "GBps": moved / seconds / 1e9,
                 })
             print(f"  {spec_name:14s} {workload:12s} rows={total}", flush=True)
+    return results
+
+
+def sweep_tiles(device: torch.device, workloads=("decode", "prefill", f"rows-{2**20}")) -> list[dict]:
+    """Time the compiled gather over rows per program x warps (Qwen3 rows)."""
+    from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel
+
+    generator = torch.Generator().manual_seed(1)
+    results = []
+    row_shape, dtype = ROW_SPECS["qwen3-30b-a3b"]
+    for workload in workloads:
+        lengths = intervals_for(workload, generator)
+        num_pages, seg_start, seg_pool_row, _, total = build_descriptors(lengths, generator, device)
+        pool = torch.randint(0, 250, (num_pages * PAGE, *row_shape), dtype=torch.int32, device=device).to(dtype)
+        pool_words = as_row_words(pool)
+        packed = torch.empty((total, pool_words.shape[1]), dtype=pool_words.dtype, device=device)
+        expected = torch.empty_like(packed)
+        copy_segments_torch(pool_words, expected, seg_start, seg_pool_row, seg_start[:-1], total)
+        default_rows, word_block = tile_shape(total, pool_words.shape[1])
+        for rows_per_program in (4, 8, 16, 32, 64, 128):
+            for num_warps in (1, 2, 4, 8):
+                def launch():
+                    _segment_copy_kernel[(triton.cdiv(total, rows_per_program),)](
+                        pool_words, packed, seg_start, seg_pool_row, seg_start[:-1], seg_pool_row.shape[0], total,
+                        ROW_WORDS=pool_words.shape[1], ROWS=rows_per_program, WORDS=word_block,
+                        SEARCH_STEPS=search_steps(seg_pool_row.shape[0]), num_warps=num_warps,
+                    )
+
+                packed.zero_()
+                launch()
+                if not torch.equal(packed, expected):
+                    raise RuntimeError(f"sweep gather wrong: {workload} rows {rows_per_program} warps {num_warps}")
+                seconds = time_call(launch, device)
+                results.append({
+                    "device": machine_label(device), "workload": workload, "total_rows": total,
+                    "rows_per_program": rows_per_program, "num_warps": num_warps,
+                    "default_tile": rows_per_program == default_rows and num_warps == 4,
+                    "us": seconds * 1e6, "GBps": 2 * total * pool_words.shape[1] * 4 / seconds / 1e9,
+                })
+        print(f"  sweep {workload} rows={total}", flush=True)
     return results
 
 
@@ -138,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes only (smoke run)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the compiled tile (CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"kernel benchmark on {machine_label(device)}", flush=True)
@@ -153,6 +203,14 @@ def main() -> None:
     csv_path = save_csv(results, "kernels.csv", device)
     plot(results, peak, csv_path.with_suffix(".png"))
     print(f"wrote {csv_path.with_suffix('.png')}")
+    if args.sweep and device.type == "cuda":
+        sweep = sweep_tiles(device)
+        for workload in dict.fromkeys(r["workload"] for r in sweep):
+            rows = [r for r in sweep if r["workload"] == workload]
+            best, default = min(rows, key=lambda r: r["us"]), next(r for r in rows if r["default_tile"])
+            print(f"sweep {workload}: best {best['rows_per_program']} rows x {best['num_warps']} warps "
+                  f"{best['us']:.2f} us; default {default['us']:.2f} us")
+        save_csv(sweep, "kernels_sweep.csv", device)
 
 
 if __name__ == "__main__":
