@@ -266,3 +266,16 @@ def test_returned_arrays_are_owned_and_survive_page_reuse():
     assert driver.cache.stats()["free"] <= 3
     for request_id, (start, rows) in kept.items():
         np.testing.assert_array_equal(rows, np.stack([row_of(request_id, p) for p in range(start, start + len(rows))]))
+
+
+def test_ranks_without_a_cache_follow_the_steps_and_return_nothing():
+    # vLLM's rule: every TP rank captures, only the first keeps and returns rows.
+    capturer = FixedCapturer()
+    connector = CacheWorkerConnector(capturer=capturer, cache=None, max_concurrent_batches=2)
+    capturer.rows = torch.from_numpy(np.stack([row_of("a", p) for p in range(PAGE)]))
+    for generation in (0, 1):
+        connector.begin_step(metadata({"a": 0}, {"a": [block_hash("a", 0)]}, generation=generation))
+        assert connector.prepare_output(input_batch(["a"], [0, PAGE], [0])) is None
+    assert connector.cache is None
+    assert connector.stats() == {"reattachments": 0, "requests_tracked": 0}
+    connector.close()
