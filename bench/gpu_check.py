@@ -130,12 +130,27 @@ def differential_workload(device, steps: int = 3000) -> int:
     return reads
 
 
+def compiled_variants() -> int:
+    """Kernels Triton has compiled in this process (its per-device kernel caches)."""
+    from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel
+
+    return sum(len(caches[0]) for caches in _segment_copy_kernel.device_caches.values())
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check.py needs CUDA")
     device = torch.device("cuda")
     print(f"kernel vs torch twin on {torch.cuda.get_device_name(device)}: {kernel_grid(device)} cases equal", flush=True)
-    print(f"differential workload triton/cuda vs torch/cpu: {differential_workload(device)} reads equal", flush=True)
+    before = compiled_variants()
+    RoutedExpertsCache(8, 16, (48, 8), device=device, backend="triton")  # precompiles every search depth
+    precompiled = compiled_variants() - before
+    reads = differential_workload(device)
+    print(f"differential workload triton/cuda vs torch/cpu: {reads} reads equal", flush=True)
+    compiled_while_serving = compiled_variants() - before - precompiled
+    print(f"kernel variants: {precompiled} precompiled for the pool, {compiled_while_serving} compiled during the workload")
+    if compiled_while_serving:
+        raise SystemExit("the workload compiled kernel variants that the pool did not precompile")
     print("GPU CHECK PASSED")
 
 

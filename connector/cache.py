@@ -24,7 +24,7 @@ from math import prod
 
 import torch
 
-from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy
+from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
 from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
@@ -100,6 +100,8 @@ class RoutedExpertsCache:
         self.pages = torch.zeros((num_pages, page_size, *row_shape), dtype=dtype, device=device)
         self._pool_words = as_row_words(self.pages.view(num_pages * page_size, -1))
         self._copy = load_triton_copy() if backend == "triton" else copy_segments_torch
+        if backend == "triton" and not interpreting():
+            precompile_triton_copy(self._pool_words)  # no compile stalls once serving starts
         self.generation = 0
         self._clear()
 

@@ -15,4 +15,11 @@ def load_triton_copy():
     return copy_segments
 
 
-__all__ = ["as_row_words", "copy_segments_torch", "interpreting", "load_triton_copy"]
+def precompile_triton_copy(words) -> None:
+    """Compile the Triton copy for rows like ``words`` (``[R, W]`` word view) at every depth."""
+    from .segment_copy import compile_search_depths
+
+    compile_search_depths(words)
+
+
+__all__ = ["as_row_words", "copy_segments_torch", "interpreting", "load_triton_copy", "precompile_triton_copy"]

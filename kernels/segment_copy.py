@@ -11,6 +11,12 @@ The grid is sized by rows (``seg_start[-1]``), not by segments or requests: many
 decode segments and one huge prefill segment both fill it. Each row finds its segment by a
 binary search over ``seg_start``. The row width is a compile-time constant (one variant per
 row shape, as the tile is): the word loop unrolls and the compiler sees the row alignment.
+
+Compiled variants: Triton would specialize on every int argument's divisibility by 16 and
+every pointer's alignment. Segment and row counts change every step and the descriptor is
+sliced at arbitrary offsets, so those arguments are not specialized; what is left is one
+variant per (row words, word dtype, search depth), all compiled up front by
+``compile_search_depths`` so that a serving step never waits for a compile.
 """
 
 import torch
@@ -20,7 +26,13 @@ import triton.language as tl
 from .rows import search_steps, tile_shape
 
 
-@triton.jit
+MAX_PRECOMPILED_SEARCH_STEPS = 24  # up to 2**24 segments in one launch
+
+
+@triton.jit(
+    do_not_specialize=["num_segments", "total_rows"],
+    do_not_specialize_on_alignment=["seg_start_ptr", "seg_source_row_ptr", "seg_target_row_ptr"],
+)
 def _segment_copy_kernel(
     source_ptr,
     target_ptr,
@@ -70,6 +82,21 @@ def copy_segments(
     if total_rows == 0:
         return
     num_segments = seg_source_row.shape[0]
+    _launch(source, target, seg_start, seg_source_row, seg_target_row, total_rows, search_steps(num_segments))
+
+
+def compile_search_depths(words: torch.Tensor) -> None:
+    """Compile the kernel for rows like ``words`` at every search depth now.
+
+    Each depth is compiled by a one-row copy of row 0 onto itself (rows unchanged). Kernels
+    are cached per process and on disk by Triton, so this is slow once per row shape.
+    """
+    descriptor = torch.tensor([0, 1, 0, 0], dtype=torch.int32, device=words.device)
+    for steps in range(4, MAX_PRECOMPILED_SEARCH_STEPS + 1, 4):
+        _launch(words, words, descriptor[:2], descriptor[2:3], descriptor[3:], 1, steps)
+
+
+def _launch(source, target, seg_start, seg_source_row, seg_target_row, total_rows: int, steps: int) -> None:
     rows_per_program, word_block = tile_shape(total_rows, source.shape[1])
     _segment_copy_kernel[(triton.cdiv(total_rows, rows_per_program),)](
         source,
@@ -77,10 +104,10 @@ def copy_segments(
         seg_start,
         seg_source_row,
         seg_target_row,
-        num_segments,
+        seg_source_row.shape[0],
         total_rows,
         ROW_WORDS=source.shape[1],
         ROWS=rows_per_program,
         WORDS=word_block,
-        SEARCH_STEPS=search_steps(num_segments),
+        SEARCH_STEPS=steps,
     )

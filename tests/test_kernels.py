@@ -10,6 +10,8 @@ the twin, byte for byte, including rows the descriptor does not touch.
 """
 
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -17,7 +19,13 @@ import torch
 import triton
 from conftest import ON_CPU, TEST_DEVICE
 
-from routed_experts_cache.kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy
+from routed_experts_cache.kernels import (
+    as_row_words,
+    copy_segments_torch,
+    interpreting,
+    load_triton_copy,
+    precompile_triton_copy,
+)
 from routed_experts_cache.kernels.rows import MAX_WORD_BLOCK, search_steps, tile_shape
 from routed_experts_cache.kernels.segment_copy import copy_segments
 
@@ -260,3 +268,28 @@ def test_launch_with_more_than_one_program_of_one_word_rows():
     assert triton.cdiv(total, rows_per_program) >= 2
     expected, twin, tri = run_all_three(source, target, segments, gather=False)
     assert_same(expected, twin, tri)
+
+
+@pytest.mark.parametrize("row_shape, dtype", [((48, 8), torch.uint8), ((3, 1), torch.uint16)], ids=str)
+def test_precompiling_every_search_depth_leaves_rows_unchanged(row_shape, dtype):
+    gen = torch.Generator().manual_seed(5)
+    rows = random_rows(gen, 3 * PAGE, row_shape, dtype).to(TEST_DEVICE)
+    before = rows.clone()
+    precompile_triton_copy(as_row_words(rows))
+    assert torch.equal(rows, before)
+
+
+def test_compiled_kernel_does_not_specialize_on_per_step_sizes_or_descriptor_offsets():
+    # Compiled (no interpreter: a fresh process), Triton would otherwise compile a new variant
+    # whenever a row or segment count changes its divisibility by 16 or a descriptor slice
+    # its alignment, i.e. mid-serving.
+    probe = (
+        "from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel as k\n"
+        "print(sorted(p.name for p in k.params if p.do_not_specialize))\n"
+        "print(sorted(p.name for p in k.params if p.do_not_specialize_on_alignment))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    sizes, offsets = out.splitlines()
+    assert sizes == str(["num_segments", "total_rows"])
+    assert offsets == str(["seg_source_row_ptr", "seg_start_ptr", "seg_target_row_ptr"])
