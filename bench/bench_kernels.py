@@ -2,13 +2,15 @@
 
     python bench/bench_kernels.py [--device cuda|cpu] [--quick] [--sweep]
 
-Workloads (page size 16): decode (256 intervals of 1-4 rows), prefill (8 x 4096 rows),
-bulk (2**20 rows) and a size sweep for the plot; row shapes (48, 8) uint8 (Qwen3-30B-A3B),
-(61, 8) uint8 (DeepSeek-V3), (60, 8) uint16 (Kimi-K2-like, > 256 experts). Baselines:
-torch advanced indexing with a precomputed per-row index, the torch twin (the same copy from
-the same segment descriptor, as the cache's torch backend runs it) on CUDA, and a contiguous
-device copy of the same bytes. Bandwidth counts bytes read + written. On CUDA "ours" is the
-Triton kernel; on CPU it is the torch twin (the CPU path) and every row is labelled so.
+Workloads (page size 16): decode (256 intervals of 1-4 rows), prefill (8 x 4096 rows), bulk
+(2**20 rows) and a size sweep for the plot; row shapes (48, 8) uint8 (Qwen3-30B-A3B), (61, 8)
+uint8 (DeepSeek-V3), (60, 8) uint16 (Kimi-K2-like, > 256 experts). Latency of small calls is
+also timed from a CUDA graph (``us_graph``: GPU time alone, warm caches; ``us`` comes from
+``do_bench``, which flushes L2 before every call). Baselines: torch advanced indexing with a
+precomputed per-row index, the torch twin (the same copy from the same segment descriptor, as
+the cache's torch backend runs it) on CUDA, and a contiguous device copy of the same bytes.
+Bandwidth counts bytes read + written. On CUDA "ours" is the Triton kernel; on CPU it is the
+torch twin (the CPU path) and every row is labelled so.
 ``--sweep`` (CUDA) also times the kernel over rows per program and warps for the decode and
 bulk gathers, to choose the compiled tile (``kernels_sweep.csv``).
 """
@@ -22,7 +24,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_label, print_table, save_csv, time_call  # noqa: E402
+from bench.common import machine_label, print_table, save_csv, time_call, time_call_graph  # noqa: E402
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, load_triton_copy  # noqa: E402
 from routed_experts_cache.kernels.rows import search_steps, tile_shape  # noqa: E402
 
@@ -98,11 +100,13 @@ def run(device: torch.device, quick: bool) -> list[dict]:
                 raise RuntimeError(f"gather result wrong for {spec_name} {workload}")
             for (op, impl), fn in candidates.items():
                 seconds = time_call(fn, device, repeats=5 if total >= 2**20 else 20)
+                # small calls again from a CUDA graph: GPU time alone (the twin syncs: not capturable)
+                graph = device.type == "cuda" and impl != "torch-twin" and total < 2**16
                 results.append({
                     "device": machine_label(device), "rows": spec_name, "row_bytes": row_bytes, "workload": workload,
                     "op": op, "impl": impl, "total_rows": total, "intervals": len(lengths),
                     "segments": int(seg_pool_row.shape[0]), "bytes_moved": moved, "us": seconds * 1e6,
-                    "GBps": moved / seconds / 1e9,
+                    "GBps": moved / seconds / 1e9, "us_graph": time_call_graph(fn) * 1e6 if graph else float("nan"),
                 })
             print(f"  {spec_name:14s} {workload:12s} rows={total}", flush=True)
     return results
@@ -198,7 +202,7 @@ def main() -> None:
     print(f"\npeak device copy: {peak:.1f} GB/s (read + written)")
     print_table(
         [r for r in results if not r["workload"].startswith("rows-") or r["total_rows"] >= 2**20],
-        ["rows", "workload", "op", "impl", "total_rows", "us", "GBps", "frac_of_peak_copy"],
+        ["rows", "workload", "op", "impl", "total_rows", "us", "us_graph", "GBps", "frac_of_peak_copy"],
     )
     csv_path = save_csv(results, "kernels.csv", device)
     plot(results, peak, csv_path.with_suffix(".png"))

@@ -51,8 +51,18 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def time_call_graph(fn) -> float:
+    """Median seconds per call replayed from a CUDA graph: GPU time alone, caches warm.
+
+    ``fn`` must be capturable (no host synchronisation)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / 1e3
+
+
 def time_call(fn, device: torch.device, repeats: int = 20) -> float:
-    """Median seconds per call: CUDA via triton.testing.do_bench, CPU via perf_counter."""
+    """Median seconds per call: CUDA via triton.testing.do_bench (L2 flushed before each
+    call, so launch gaps hide), CPU via perf_counter."""
     if device.type == "cuda":
         import triton.testing
 
