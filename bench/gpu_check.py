@@ -5,7 +5,10 @@
 The same random workload (shared prefixes, chunked captures with gaps in one snapshot, late
 hashes, finishes, eviction pressure, single and batched reads) runs on a CUDA cache with
 ``backend="triton"`` and on a CPU cache with ``backend="torch"``; every read and every stat
-must agree. Also runs the kernel against its torch twin over dtypes and shapes on CUDA.
+must agree. Also runs the kernel against its torch twin over dtypes and shapes on CUDA,
+checks that the workload compiles no kernel variant beyond those the pool precompiled, and
+that ``SideStream`` (the connector's output-thread stream) never reads a step's snapshot
+before the model's stream has written it (with a control run without the wait, which does).
 """
 
 import random
@@ -17,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from routed_experts_cache.connector import RoutedExpertsCache, RoutedExpertsCacheError  # noqa: E402
+from routed_experts_cache.connector.side_stream import SideStream  # noqa: E402
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, load_triton_copy  # noqa: E402
 
 
@@ -130,6 +134,35 @@ def differential_workload(device, steps: int = 3000) -> int:
     return reads
 
 
+def side_stream_ordering(device, trials: int = 10) -> tuple[int, int]:
+    """The connector's pattern: a snapshot finished late on the model's stream (after a GPU
+    spin), captured and read on the side stream. Returns (exact reads through SideStream,
+    stale reads of the same pattern without the wait: the hazard it prevents)."""
+    side, stale = SideStream(device), 0
+    row_shape, n = (48, 8), 40
+    for trial in range(2 * trials):
+        ordered = trial < trials
+        cache = RoutedExpertsCache(8, 16, row_shape, device=device, backend="triton")
+        snapshot = torch.zeros((n, *row_shape), dtype=torch.uint8, device=device)
+        torch.cuda._sleep(20_000_000)  # ~10 ms of work on the model's stream before the rows exist
+        snapshot.fill_(trial + 1)
+        ready = side.mark_ready()
+
+        def capture_and_read():
+            cache.capture_from(snapshot, [("r", 0, 0, n)])
+            return cache.read("r", 0, n).cpu()
+
+        if ordered:
+            rows = side.run(capture_and_read, snapshot, ready)
+            if not bool((rows == trial + 1).all()):
+                raise SystemExit(f"side stream read rows before the model's stream wrote them (trial {trial})")
+        else:
+            with torch.cuda.stream(side.stream):  # no wait: may copy the zeros
+                stale += not bool((capture_and_read() == trial + 1).all())
+        torch.cuda.synchronize()
+    return trials, stale
+
+
 def compiled_variants() -> int:
     """Kernels Triton has compiled in this process (its per-device kernel caches)."""
     from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel
@@ -149,6 +182,8 @@ def main() -> None:
     print(f"differential workload triton/cuda vs torch/cpu: {reads} reads equal", flush=True)
     compiled_while_serving = compiled_variants() - before - precompiled
     print(f"kernel variants: {precompiled} precompiled for the pool, {compiled_while_serving} compiled during the workload")
+    exact, stale = side_stream_ordering(device)
+    print(f"side stream: {exact} late snapshots read exactly; without the wait {stale} of {exact} reads were stale")
     if compiled_while_serving:
         raise SystemExit("the workload compiled kernel variants that the pool did not precompile")
     print("GPU CHECK PASSED")

@@ -34,6 +34,7 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from .cache import RoutedExpertsCache
 from .errors import RoutedExpertsCacheError
+from .side_stream import SideStream
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,7 +105,7 @@ class CacheWorkerConnector:
         self._pending_outputs: list[PendingCacheOutput] = []
         self._max_concurrent_batches = max_concurrent_batches
         self._lock = Lock()
-        self._stream = torch.cuda.Stream(device=cache.device) if cache is not None and cache.device.type == "cuda" else None
+        self._side_stream = SideStream(cache.device) if cache is not None and cache.device.type == "cuda" else None
         self._reattachments = 0
 
     @property
@@ -212,9 +213,8 @@ class CacheWorkerConnector:
             query_start_loc=query_start_loc,
             snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
         )
-        if self._stream is not None:
-            pending.snapshot_ready = torch.cuda.Event()
-            pending.snapshot_ready.record()
+        if self._side_stream is not None:
+            pending.snapshot_ready = self._side_stream.mark_ready()
         with self._lock:
             if len(self._pending_outputs) >= self._max_concurrent_batches:
                 raise ConnectorStateError(
@@ -239,14 +239,9 @@ class CacheWorkerConnector:
         """
         with self._lock:
             try:
-                if self._stream is None:
+                if self._side_stream is None:
                     return self._commit(pending)
-                # The side stream keeps the row copies off the model's stream. It waits for the
-                # snapshot, and the snapshot's memory is not reused before its reads finish.
-                self._stream.wait_event(pending.snapshot_ready)
-                pending.snapshot.record_stream(self._stream)
-                with torch.cuda.stream(self._stream):
-                    return self._commit(pending)
+                return self._side_stream.run(lambda: self._commit(pending), pending.snapshot, pending.snapshot_ready)
             finally:
                 if pending in self._pending_outputs:
                     self._pending_outputs.remove(pending)
