@@ -48,6 +48,7 @@ from cpu_harness.vllm033 import (  # noqa: E402
 ROW_SHAPE = (48, 8)
 BLOCK = 16
 NUM_SPEC = 4
+LOOKAHEAD_TRACE_STEPS = 120  # long enough for a full block to wait for its lookahead hash at a read
 
 
 class WideCapturer(SnapshotCapturer):
@@ -232,7 +233,7 @@ def main() -> None:
     # With EAGLE/MTP lookahead hashing on (vLLM 0.33's default), vLLM's own connector cannot
     # replay such a trace at all (design/vllm-aux-output.md section 4): show it, then compare
     # speed on traces with lookahead hashing off, which both connectors can run.
-    setup, events, _ = record_trace(16, args.steps, lookahead=1)
+    setup, events, _ = record_trace(16, LOOKAHEAD_TRACE_STEPS, lookahead=1)
     for impl, build in builders().items():
         try:
             replay(setup, events, build)

@@ -1,0 +1,31 @@
+"""The host-overhead benchmark runs end to end in the vLLM 0.33 environment (small sizes).
+
+It must show vLLM 0.33's own connector crashing on a lookahead-hashing trace that this
+project's connector serves, and write both connectors' timings (speed is not asserted here).
+"""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_host_benchmark_small_run(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_host.py"), "--concurrency", "16", "--steps", "12"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "lookahead-1 trace: routed-experts-cache returned every row" in done.stdout
+    assert "lookahead-1 trace: vllm-0.33-builtin crashed: AssertionError" in done.stdout
+    with open(tmp_path / "host_overhead.csv") as f:
+        rows = {r["impl"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"routed-experts-cache", "vllm-0.33-builtin"}
+    for row in rows.values():
+        assert int(row["concurrency"]) == 16 and float(row["median_ms"]) > 0
+    assert float(rows["vllm-0.33-builtin"]["ratio_to_vllm"]) == 1.0
+    assert (tmp_path / "host_overhead.png").stat().st_size > 0
