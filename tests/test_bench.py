@@ -52,3 +52,15 @@ def test_memory_benchmark_sizes_every_model(tmp_path):
     }
     for row in rows.values():
         assert float(row["this_cache_device_MiB"]) >= int(row["kv_tokens"]) * int(row["bytes_per_token"]) / 2**20
+
+
+def test_end_to_end_benchmark_runs_all_three_modes(tmp_path):
+    run_bench("bench_e2e.py", tmp_path, "--requests", "4", "--repeats", "1")
+    rows = {r["mode"]: r for r in read_csv(tmp_path / "e2e_throughput.csv")}
+    assert {mode: rows[mode]["connector"] for mode in rows} == {
+        "routed experts off": "-",
+        "vLLM built-in": "AuxOutputWorkerConnector",
+        "routed-experts-cache": "CacheWorkerConnector",
+    }
+    assert len({int(r["output_tokens"]) for r in rows.values()}) == 1  # the same greedy workload
+    assert float(rows["routed experts off"]["vs_off"]) == 1.0
