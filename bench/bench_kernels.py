@@ -100,8 +100,11 @@ def run(device: torch.device, quick: bool) -> list[dict]:
                 raise RuntimeError(f"gather result wrong for {spec_name} {workload}")
             for (op, impl), fn in candidates.items():
                 seconds = time_call(fn, device, repeats=5 if total >= 2**20 else 20)
-                # small calls again from a CUDA graph: GPU time alone (the twin syncs: not capturable)
-                graph = device.type == "cuda" and impl != "torch-twin" and total < 2**16
+                # Small calls again from a CUDA graph: GPU time alone. Only calls known to be
+                # capturable (the twin synchronises; a failed capture could upset later timings).
+                graph = device.type == "cuda" and total < 2**16 and (
+                    impl == ours_label or op in ("copy", "gather") and impl != "torch-twin"
+                )
                 results.append({
                     "device": machine_label(device), "rows": spec_name, "row_bytes": row_bytes, "workload": workload,
                     "op": op, "impl": impl, "total_rows": total, "intervals": len(lengths),
