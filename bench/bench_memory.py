@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import print_table, save_csv  # noqa: E402
+from routed_experts_cache.connector.vllm_worker import working_set_pages  # noqa: E402
 
 # (layers captured, top_k, number of experts): vLLM captures every hidden layer's row.
 MODELS = {
@@ -29,11 +30,6 @@ MODELS = {
 BLOCK, MAX_BATCHED, MAX_SEQS, MAX_CONCURRENT = 16, 8192, 256, 2
 
 
-def working_set_blocks() -> int:
-    step_blocks = -(-MAX_BATCHED // BLOCK) + MAX_SEQS
-    return MAX_CONCURRENT * step_blocks + MAX_SEQS
-
-
 def rows_for(kv_tokens: int) -> list[dict]:
     rows = []
     for model, (layers, top_k, experts) in MODELS.items():
@@ -41,7 +37,7 @@ def rows_for(kv_tokens: int) -> list[dict]:
         token_bytes = layers * top_k * itemsize
         kv_blocks = -(-kv_tokens // BLOCK)
         block_bytes = BLOCK * token_bytes
-        working = working_set_blocks() * block_bytes
+        working = working_set_pages(BLOCK, MAX_BATCHED, MAX_SEQS, MAX_CONCURRENT) * block_bytes
         rows.append({
             "model": model,
             "row": f"{layers}x{top_k} {'uint8' if itemsize == 1 else 'uint16'}",

@@ -8,20 +8,15 @@ one thread and ``process_output`` on another, as vLLM does, for many steps.
 import queue
 import threading
 
-import vllm
+import numpy as np
+import pytest
+import torch
+from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
-if not vllm.__version__.startswith("0.33"):
-    raise RuntimeError(f"this tier needs vLLM 0.33.x (.venv-vllm033), found {vllm.__version__}")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of  # noqa: E402
-from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata  # noqa: E402
-
-from cpu_harness.vllm033 import SnapshotCapturer, build_our_connector, make_scheduler  # noqa: E402
-from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError  # noqa: E402
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, ConnectorStateError  # noqa: E402
+from cpu_harness.vllm033 import SnapshotCapturer, build_our_connector, make_scheduler
+from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
+from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, ConnectorStateError
 
 
 

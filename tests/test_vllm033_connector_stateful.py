@@ -9,29 +9,24 @@ outputs in flight, retained/released pins and generation bumps. Rows are a funct
 chunk a request receives must continue exactly where the previous one ended.
 """
 
-import vllm
+from collections import Counter, deque
 
-if not vllm.__version__.startswith("0.33"):
-    raise RuntimeError(f"this tier needs vLLM 0.33.x (.venv-vllm033), found {vllm.__version__}")
-
-from collections import Counter, deque  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import (  # noqa: E402
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
     run_state_machine_as_test,
 )
-from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of  # noqa: E402
-from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata  # noqa: E402
+from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
-from routed_experts_cache.connector import RoutedExpertsCache  # noqa: E402
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector  # noqa: E402
+from routed_experts_cache.connector import RoutedExpertsCache
+from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector
 
 MAX_IN_FLIGHT = 2
 POISON = np.full(ROW, 255, dtype=np.uint8)

@@ -14,19 +14,10 @@ Section 4 of design/vllm-aux-output.md: vLLM 0.33's own worker connector
 ``AssertionError`` from ``RoutedExpertsBuffer.read``; ours returns exact rows.
 """
 
-import vllm
+import numpy as np
+import pytest
 
-if not vllm.__version__.startswith("0.33"):
-    raise RuntimeError(
-        f"tests/test_vllm033_lookahead.py needs vLLM 0.33.x (the .venv-vllm033 environment); "
-        f"this environment has vLLM {vllm.__version__}"
-    )
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector  # noqa: E402
-from cpu_harness.vllm033 import (  # noqa: E402
+from cpu_harness.vllm033 import (  # first: fails with a clear message outside vLLM 0.33
     BLOCK_SIZE,
     HarnessError,
     RetainedPins,
@@ -38,6 +29,7 @@ from cpu_harness.vllm033 import (  # noqa: E402
     make_scheduler,
     random_prompt,
 )
+from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector
 
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 LOOKAHEAD = pytest.mark.parametrize("lookahead", [1, 2], ids=["L1", "L2"])
