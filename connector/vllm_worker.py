@@ -140,8 +140,10 @@ class CacheWorkerConnector:
                 self._generation = metadata.generation
             else:
                 self._apply_pins(metadata)
+            requests = self._requests
             for request_id, emit_start in metadata.requests.items():
-                self._requests.setdefault(request_id, _RequestState(emit_cursor=emit_start))
+                if request_id not in requests:
+                    requests[request_id] = _RequestState(emit_cursor=emit_start)
             for request_id, block_hashes in hashes.items():
                 self._cache.add_block_hashes(request_id, block_hashes)
             for request_id in metadata.finished_requests:

@@ -64,3 +64,12 @@ def test_end_to_end_benchmark_runs_all_three_modes(tmp_path):
     }
     assert len({int(r["output_tokens"]) for r in rows.values()}) == 1  # the same greedy workload
     assert float(rows["routed experts off"]["vs_off"]) == 1.0
+
+
+def test_gpu_check_differential_workload_runs_here():
+    """bench/gpu_check.py's workload, with the Triton kernel under the interpreter on CPU
+    (its CUDA-only parts run on the GPU machine alone): the script itself cannot rot."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_check import differential_workload
+
+    assert differential_workload("cpu", steps=1500) > 100  # reads compared, all equal
