@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.gpu_check import differential_workload
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,7 +71,4 @@ def test_end_to_end_benchmark_runs_all_three_modes(tmp_path):
 def test_gpu_check_differential_workload_runs_here():
     """bench/gpu_check.py's workload, with the Triton kernel under the interpreter on CPU
     (its CUDA-only parts run on the GPU machine alone): the script itself cannot rot."""
-    sys.path.insert(0, str(ROOT))
-    from bench.gpu_check import differential_workload
-
     assert differential_workload("cpu", steps=1500) > 100  # reads compared, all equal
