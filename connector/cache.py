@@ -8,9 +8,11 @@ page is in exactly one state:
 - free: in ``_free``;
 - tail / pending / duplicate: owned by one request (partly filled / full without hash /
   full with a hash that was already published by an earlier page);
-- published: ``_index[key] -> page``, shared. Pins are counted per key (a request pins every
-  hash it is given, ``retain`` pins from outside); a published page whose key has no pin is
-  in ``_evictable``, whose order is the eviction order (oldest first).
+- published: ``_index[key] -> page``, shared. Pins are counted per key: a request pins the
+  hashes it reads through the index (its prefix blocks; before its first capture, every hash
+  it is given) and those of its own published pages; ``retain`` pins from outside. Nothing
+  pins a page no one will read. A published page whose key has no pin is in ``_evictable``,
+  whose order is the eviction order (oldest first).
 
 Reads walk the block map, so published, pending and tail blocks are one lookup. Host work is
 O(blocks) per call; rows move on the device with one scatter per capture call and one gather
@@ -20,6 +22,7 @@ per read call.
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import chain, islice
 from math import prod
 
 import torch
@@ -28,14 +31,16 @@ from ..kernels import as_row_words, copy_segments_torch, interpreting, load_trit
 from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.int64)
+_INTEGER_DTYPES = (
+    torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64, torch.int64,
+)
 
 
 class _Request:
     __slots__ = ("hashes", "first_block", "own_pages", "cursor", "num_settled")
 
     def __init__(self) -> None:
-        self.hashes: list[bytes] = []  # block i <-> hashes[i]; each one pinned
+        self.hashes: list[bytes] = []  # block i <-> hashes[i]
         self.first_block: int | None = None  # first block captured by the request itself
         self.own_pages: list[int] = []  # pages of blocks first_block, first_block + 1, ...
         self.cursor = 0  # next position to capture
@@ -56,6 +61,19 @@ def _check_position(name: str, value, request_id) -> int:
     if type(value) is not int:
         raise RoutedExpertsCacheError(f"request {request_id!r}: {name} must be an int, got {value!r}")
     return value
+
+
+def _as_list(values, what: str, error: type[RoutedExpertsCacheError] = InvalidCaptureError) -> list:
+    """``list(values)`` for a sequence argument; one value or a non-iterable is refused."""
+    if isinstance(values, (bytes, bytearray, str, torch.Tensor)) or not isinstance(values, Iterable):
+        raise error(f"{what} must be a sequence (a list or another iterable), got {type(values).__name__}")
+    return list(values)
+
+
+def _check_hashes(hashes: list, what: str) -> None:
+    for block_hash in hashes:
+        if type(block_hash) is not bytes or not block_hash:
+            raise InvalidCaptureError(f"{what} must be non-empty bytes, got {block_hash!r}")
 
 
 def _format_ranges(ranges: list[tuple[int, int]]) -> str:
@@ -130,70 +148,131 @@ class RoutedExpertsCache:
 
     def capture_many(self, items: Iterable[tuple[object, int, torch.Tensor]]) -> None:
         """Validate every item, then write all of them with one device launch."""
-        items = list(items)
+        items = _as_list(items, "capture items")
+        spans, offset = [], 0
         for item in items:
-            if not isinstance(item, tuple) or len(item) != 3:
+            if type(item) is not tuple or len(item) != 3:
                 raise InvalidCaptureError(f"a capture item is (request_id, start, rows), got {item!r}")
             self._check_rows(item[0], item[2])
-        if not items:
-            return
-        for request_id, start, rows in items:
-            self._check_values(rows, [(request_id, start, 0, rows.shape[0])])
-        source = torch.cat([rows.to(self.device, self.dtype) for _, _, rows in items])
-        spans, offset = [], 0
-        for request_id, start, rows in items:
-            spans.append((request_id, start, offset, rows.shape[0]))
-            offset += rows.shape[0]
-        self.capture_from(source, spans)
+            spans.append((item[0], item[1], offset, item[2].shape[0]))
+            offset += item[2].shape[0]
+        plans, num_new_pages = self._plan_captures(offset, spans)
+        for (_, _, rows), (request_id, start, _, count) in zip(items, spans):
+            self._check_values(rows, [(request_id, start, 0, count)])
+        if plans:
+            self._write(plans, num_new_pages, self._source_words([rows for _, _, rows in items]))
 
     def capture_from(self, source: torch.Tensor, spans: Iterable[tuple[object, int, int, int]]) -> None:
         """Capture slices of one row tensor: ``(request_id, start, source_start, count)``.
 
         The batched form the vLLM adapter uses: a step's snapshot is captured where it lies
-        (narrowed once if needed), with one scatter for all requests. All spans are checked
-        before anything is written.
+        (narrowed once if needed), with one scatter for all requests.
         """
-        spans = list(spans)
+        spans = _as_list(spans, "capture spans")
         self._check_rows("<batch>", source)
         plans, num_new_pages = self._plan_captures(source.shape[0], spans)
         self._check_values(source, spans)
-        if num_new_pages > len(self._free) + len(self._evictable):
+        if plans:
+            self._write(plans, num_new_pages, self._source_words([source]))
+
+    def _source_words(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The rows to copy, on the pool's device in its dtype, as aligned contiguous words.
+
+        Runs before any state changes: a source that cannot be converted fails the call.
+        """
+        try:
+            rows = [source.to(self.device, self.dtype) for source in sources]
+            rows = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+            if rows.data_ptr() % 16:  # a storage offset: word views and wide loads need alignment
+                rows = rows.clone()
+            return as_row_words(rows)
+        except (RuntimeError, NotImplementedError, TypeError) as error:
+            raise InvalidCaptureError(
+                f"rows on {sources[0].device} ({sources[0].dtype}) cannot be copied to the pool on "
+                f"{self.device} ({self.dtype}): {error}"
+            ) from error
+
+    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor) -> None:
+        """Copy the planned rows into their pages, then commit the bookkeeping.
+
+        Nothing is changed before the copy: its target pages are chosen by looking ahead at
+        the pages the allocation below will take (free ones first, then the oldest
+        evictable, including pages that first captures of this call stop pinning).
+        """
+        releasing = self._released_by_first_captures(plans)
+        available = len(self._free) + len(self._evictable) + len(releasing)
+        if num_new_pages > available:
             wanted = ", ".join(f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans)
             raise CacheFullError(
-                f"capture of {wanted} needs {num_new_pages} new pages; only {len(self._free)} "
-                f"free and {len(self._evictable)} evictable of {self.num_pages} (the rest are "
-                f"pinned or owned by live requests)"
+                f"capture of {wanted} needs {num_new_pages} new pages; only {len(self._free)} free and "
+                f"{available - len(self._free)} evictable of {self.num_pages} (the rest are pinned or "
+                f"owned by live requests)"
             )
-        if not plans:
-            return
-        size = self.page_size
+        from_free = list(islice(self._free, num_new_pages))
+        victims = list(islice(chain(self._evictable, releasing), num_new_pages - len(from_free)))
+        new_pages = from_free + [self._index[key] for key in victims]
+        size, taken = self.page_size, 0
         seg_start, seg_source_row, seg_target_row = [0], [], []
-        total = 0
-        for request_id, request, start, source_row, count, num_new in plans:
-            if request.first_block is None:
-                request.first_block = start // size
-                self._requests[request_id] = request
-                self._counters["prefix_hit_rows"] += start
-            own_pages, first_block = request.own_pages, request.first_block
-            for _ in range(num_new):
-                own_pages.append(self._allocate_page())
+        pages_after: dict[int, tuple[int, list[int]]] = {}  # per request: first block, pages after this call
+        for _, request, start, source_row, count, num_new in plans:
+            first_block, pages = pages_after.get(id(request)) or (
+                request.first_block if request.first_block is not None else start // size, request.own_pages
+            )
+            if num_new:
+                pages = pages + new_pages[taken : taken + num_new]
+                taken += num_new
+            pages_after[id(request)] = first_block, pages
             position, end = start, start + count
             while position < end:
                 block = position // size
-                block_end = block * size + size
-                run = (end if end < block_end else block_end) - position
+                run_end = min(end, block * size + size)
                 seg_source_row.append(source_row)
-                seg_target_row.append(own_pages[block - first_block] * size + position - block * size)
-                total += run
-                seg_start.append(total)
-                position += run
-                source_row += run
-            request.cursor = end
-            if first_block + request.num_settled < min(end // size, len(request.hashes)):
-                self._settle(request)  # publishes pages whose rows are written below, before any read
-        source_words = as_row_words(source.to(self.device, self.dtype).contiguous())
-        self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
-        self._counters["captured_rows"] += total
+                seg_target_row.append(pages[block - first_block] * size + position - block * size)
+                seg_start.append(seg_start[-1] + run_end - position)
+                source_row += run_end - position
+                position = run_end
+        try:
+            self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
+        except Exception:
+            for key in victims:  # their rows may be partly overwritten: unpublish them (fail closed)
+                self._evictable.pop(key, None)
+                self._free.append(self._index.pop(key))
+            raise
+        self._commit_captures(plans)
+        self._counters["captured_rows"] += seg_start[-1]
+
+    def _released_by_first_captures(self, plans: list[tuple]) -> list[bytes]:
+        """Published hashes that become evictable when this call's first captures drop their
+        pins on the request's own blocks, in the order they are released."""
+        drops: Counter[bytes] = Counter()
+        released, first_captures = [], set()
+        for _, request, start, *_ in plans:
+            if request.first_block is None and id(request) not in first_captures:
+                first_captures.add(id(request))
+                for block_hash in reversed(request.hashes[start // self.page_size :]):
+                    drops[block_hash] += 1
+                    if drops[block_hash] == self._pins[block_hash] and block_hash in self._index:
+                        released.append(block_hash)
+        return released
+
+    def _commit_captures(self, plans: list[tuple]) -> None:
+        """Apply planned captures: first captures stop pinning their own blocks' hashes (the
+        request reads its own pages there), then pages are allocated and full blocks settle."""
+        size = self.page_size
+        for request_id, request, start, *_ in plans:
+            if request.first_block is None:
+                request.first_block = start // size
+                request.cursor = start
+                self._requests[request_id] = request
+                self._counters["prefix_hit_rows"] += start
+                self._unpin(reversed(request.hashes[request.first_block :]))
+        for _, request, start, _, count, num_new in plans:  # all pages first: the ones the copy wrote
+            for _ in range(num_new):
+                request.own_pages.append(self._allocate_page())
+            request.cursor = start + count
+        for _, request, *_ in plans:
+            if request.first_block + request.num_settled < min(request.cursor // size, len(request.hashes)):
+                self._settle(request)
 
     def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch."""
@@ -207,6 +286,10 @@ class RoutedExpertsCache:
             raise InvalidCaptureError(f"request {request_id!r}: rows must be a torch.Tensor, got {type(rows).__name__}")
         if rows.dtype not in _INTEGER_DTYPES:
             raise InvalidCaptureError(f"request {request_id!r}: rows must be an integer tensor, got {rows.dtype}")
+        if rows.layout != torch.strided or rows.is_meta:
+            raise InvalidCaptureError(
+                f"request {request_id!r}: rows must be a dense tensor holding data, got {rows.layout} on {rows.device}"
+            )
         if rows.dim() != 1 + len(self.row_shape) or tuple(rows.shape[1:]) != self.row_shape:
             raise InvalidCaptureError(
                 f"request {request_id!r}: rows must have shape [n, {', '.join(map(str, self.row_shape))}], "
@@ -217,15 +300,24 @@ class RoutedExpertsCache:
         """Refuse rows whose ids do not fit the pool dtype: narrowing them would store wrong ids.
 
         Costs nothing when the source dtype fits (the vLLM path); otherwise one reduction and
-        one host copy of the offending row numbers.
+        one host copy of the offending row numbers. Each bound is compared only where the
+        source dtype can exceed it, so the bound itself is representable there (torch narrows
+        a Python scalar to the tensor's dtype: ``int8 > 255`` would wrap).
         """
         wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
         if wide.min >= narrow.min and wide.max <= narrow.max:
             return
-        rows = source.flatten(1)
-        if rows.dtype in (torch.uint16, torch.uint32):  # torch has no comparisons for these
-            rows = rows.to(torch.int64)
-        bad_rows = ((rows < narrow.min) | (rows > narrow.max)).any(1).nonzero().flatten().cpu()
+        values = source.flatten(1)
+        if values.dtype == torch.uint64:  # no comparisons in torch: ids >= 2**63 read as negative
+            values = values.view(torch.int64)
+            bad = (values < 0) | (values > narrow.max)
+        else:
+            if values.dtype in (torch.uint16, torch.uint32):  # no comparisons in torch either
+                values = values.to(torch.int64)
+            below = values < narrow.min if wide.min < narrow.min else None
+            above = values > narrow.max if wide.max > narrow.max else None
+            bad = above if below is None else below if above is None else below | above
+        bad_rows = bad.any(1).nonzero().flatten().cpu()
         if bad_rows.numel() == 0:
             return
         for request_id, start, source_start, count in spans:
@@ -300,36 +392,35 @@ class RoutedExpertsCache:
     # ------------------------------------------------------------------ hashes
 
     def add_block_hashes(self, request_id, hashes: Iterable[bytes]) -> None:
-        """Append block hashes (block i <-> hashes[i]); full captured blocks publish."""
+        """Append block hashes (block i <-> hashes[i]); full captured blocks publish.
+
+        Prefix blocks (before the request's first capture) are pinned while it lives: it
+        reads them through the index. Its own blocks are pinned only once its page is the
+        published one.
+        """
         _check_request_id(request_id)
-        if isinstance(hashes, (bytes, bytearray, str)):
-            raise InvalidCaptureError(f"request {request_id!r}: hashes must be a sequence of bytes, not one value")
-        hashes = list(hashes)
-        for block_hash in hashes:
-            if type(block_hash) is not bytes or not block_hash:
-                raise InvalidCaptureError(
-                    f"request {request_id!r}: block hashes must be non-empty bytes, got {block_hash!r}"
-                )
+        hashes = _as_list(hashes, f"request {request_id!r}: block hashes")
+        _check_hashes(hashes, f"request {request_id!r}: block hashes")
         request = self._requests.setdefault(request_id, _Request())
+        first_new = len(request.hashes)
         request.hashes.extend(hashes)
-        self._pin(hashes)
+        if request.first_block is None:
+            self._pin(hashes)
+        elif first_new < request.first_block:
+            self._pin(hashes[: request.first_block - first_new])
         self._settle(request)
 
     def retain(self, hashes: Iterable[bytes]) -> None:
         """Pin published (or future) blocks by hash, independent of any request."""
-        hashes = list(hashes)
-        if any(not isinstance(h, bytes) or not h for h in hashes):
-            raise InvalidCaptureError(f"retained hashes must be non-empty bytes, got {hashes!r}")
+        hashes = _as_list(hashes, "retained hashes")
+        _check_hashes(hashes, "retained hashes")
         self._retained.update(hashes)
         self._pin(hashes)
 
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
-        hashes = list(hashes)
-        if not hashes:
-            return
-        if any(not isinstance(h, bytes) or not h for h in hashes):
-            raise InvalidCaptureError(f"released hashes must be non-empty bytes, got {hashes!r}")
+        hashes = _as_list(hashes, "released hashes")
+        _check_hashes(hashes, "released hashes")
         missing = [h.hex() for h, n in Counter(hashes).items() if self._retained[h] < n]
         if missing:
             raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
@@ -353,8 +444,23 @@ class RoutedExpertsCache:
                 if block_hash in self._index:
                     self._evictable[block_hash] = None
 
+    def _pinned_hashes(self, request: _Request) -> list[bytes]:
+        """The hashes a request pins, in block order: its prefix blocks (every hash before its
+        first capture) and its own blocks whose page is the published one."""
+        if request.first_block is None:
+            return list(request.hashes)
+        own = request.hashes[request.first_block : request.first_block + request.num_settled]
+        return request.hashes[: request.first_block] + [
+            block_hash for block_hash, page in zip(own, request.own_pages) if self._index.get(block_hash) == page
+        ]
+
     def _settle(self, request: _Request) -> None:
-        """Publish the request's full own blocks whose hashes are known."""
+        """Publish the request's full own blocks whose hashes are known.
+
+        A hash that is already published keeps its page while anyone pins it (this request
+        then keeps reading its own copy, a duplicate freed at finish); an unpinned one is
+        replaced by this copy and its old page freed, so a recomputed block holds one page.
+        """
         if request.first_block is None:
             return
         full_blocks = request.cursor // self.page_size
@@ -363,9 +469,13 @@ class RoutedExpertsCache:
             if block >= full_blocks or block >= len(request.hashes):
                 return
             block_hash = request.hashes[block]
-            if block_hash not in self._index:
+            stale_page = self._index.get(block_hash)
+            if stale_page is None or block_hash in self._evictable:
+                if stale_page is not None:
+                    self._free.append(stale_page)
                 self._index[block_hash] = request.own_pages[request.num_settled]
                 self._counters["published_blocks"] += 1
+                self._pin([block_hash])
             request.num_settled += 1
 
     # -------------------------------------------------------------------- read
@@ -385,7 +495,7 @@ class RoutedExpertsCache:
         Every interval is located before anything is copied: a missing row fails the call.
         """
         seg_start, seg_source_row, offsets = [0], [], [0]
-        for interval in intervals:
+        for interval in _as_list(intervals, "read intervals", RangeUnavailableError):
             if type(interval) is not tuple or len(interval) != 3:
                 raise RangeUnavailableError(f"an interval is (request_id, start, end), got {interval!r}")
             self._append_segments(interval[0], interval[1], interval[2], seg_source_row, seg_start)
@@ -465,12 +575,10 @@ class RoutedExpertsCache:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        for offset in reversed(range(len(request.own_pages))):
-            page = request.own_pages[offset]
-            block = request.first_block + offset
-            if offset >= request.num_settled or self._index.get(request.hashes[block]) != page:
-                self._free.append(page)
-        self._unpin(reversed(request.hashes))
+        pinned = self._pinned_hashes(request)
+        published = {self._index.get(block_hash) for block_hash in pinned}
+        self._free.extend(page for page in reversed(request.own_pages) if page not in published)
+        self._unpin(reversed(pinned))
 
     def reset(self) -> None:
         """Drop every request and page; hashes from before never hit again."""
@@ -530,7 +638,7 @@ class RoutedExpertsCache:
         owners = Counter(p for r in self._requests.values() for p in r.own_pages)
         if any(n > 1 for n in owners.values()):
             problems.append("a page is owned by two requests")
-        expected_pins = Counter(h for r in self._requests.values() for h in r.hashes) + self._retained
+        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + self._retained
         if +self._pins != expected_pins:
             problems.append("pin counts differ from the requests' hashes plus retained hashes")
         if set(self._evictable) != {h for h in self._index if self._pins[h] == 0}:

@@ -565,24 +565,71 @@ def test_duplicate_publication_keeps_first_writer_and_frees_copy_on_finish(make_
     assert_accounting(cache)
 
 
-def test_duplicate_when_hash_was_published_before_capture(make_cache, gen):
+def test_recomputed_block_replaces_an_unpinned_published_page(make_cache, gen):
     cache = make_cache(4)
     rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)
     cache.capture("a", 0, rows_a)
     cache.add_block_hashes("a", [h("p", 0)])
     cache.finish("a")
-    cache.add_block_hashes("b", [h("p", 0)])  # b recomputes block 0 anyway
+    assert states(cache, "published", "evictable", "free") == dict(published=1, evictable=1, free=3)
+    cache.add_block_hashes("b", [h("p", 0)])  # before its first capture, any hash may be a prefix hit
+    assert states(cache, "published", "evictable") == dict(published=1, evictable=0)
+    cache.capture("b", 0, rows_b)  # b recomputes block 0: its copy replaces the unpinned one
+    assert states(cache, "duplicate", "published", "evictable", "free") == dict(
+        duplicate=0, published=1, evictable=0, free=3
+    )
+    assert_rows(cache.read("b", 0, 4), u8(rows_b))
+    cache.add_block_hashes("c", [h("p", 0)])
+    assert_rows(cache.read("c", 0, 4), u8(rows_b))
+    cache.finish("b")
+    cache.finish("c")
+    assert states(cache, "duplicate", "published", "evictable", "free") == dict(
+        duplicate=0, published=1, evictable=1, free=3
+    )
+    assert_accounting(cache)
+
+
+def test_recomputed_block_is_a_duplicate_while_the_published_page_is_pinned(make_cache, gen):
+    cache = make_cache(4)
+    rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.finish("a")
+    cache.retain([h("p", 0)])
+    cache.add_block_hashes("b", [h("p", 0)])
     cache.capture("b", 0, rows_b)
     assert states(cache, "duplicate", "published", "evictable", "free") == dict(
         duplicate=1, published=1, evictable=0, free=2
     )
+    assert cache.stats()["pinned_hashes"] == 1  # the retain only: b does not pin a page it never reads
     assert_rows(cache.read("b", 0, 4), u8(rows_b))
-    cache.finish("b")
-    assert states(cache, "duplicate", "published", "evictable", "free") == dict(
-        duplicate=0, published=1, evictable=1, free=3
-    )
     cache.add_block_hashes("c", [h("p", 0)])
     assert_rows(cache.read("c", 0, 4), u8(rows_a))
+    cache.finish("b")  # b's duplicate page is freed
+    assert states(cache, "duplicate", "published", "evictable", "free") == dict(
+        duplicate=0, published=1, evictable=0, free=3
+    )
+    assert_accounting(cache)
+
+
+def test_first_capture_unpins_the_blocks_it_recomputes_before_it_allocates(make_cache, gen):
+    """The pins a request took on hashes it then recomputes itself return those pages to
+    eviction in the same call: a full pool of stale pages does not refuse the capture."""
+    cache = make_cache(2)
+    rows_a, rows_b = rand_rows(gen, 8), rand_rows(gen, 8)
+    hashes = [h("p", 0), h("p", 1)]
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", hashes)
+    cache.finish("a")
+    cache.add_block_hashes("b", hashes)  # pins both published pages: nothing is evictable now
+    assert states(cache, "published", "evictable", "free") == dict(published=2, evictable=0, free=0)
+    cache.capture("b", 0, rows_b)  # starts at block 0: both blocks are b's own
+    assert states(cache, "published", "evictable", "free", "duplicate") == dict(
+        published=2, evictable=0, free=0, duplicate=0
+    )
+    assert_rows(cache.read("b", 0, 8), u8(rows_b))
+    assert cache.stats()["evictions"] == 2
+    assert_accounting(cache)
 
 
 def test_hashes_before_capture_publish_as_blocks_fill(make_cache, gen):

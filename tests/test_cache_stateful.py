@@ -205,22 +205,34 @@ class CacheMachine(RuleBasedStateMachine):
             if b >= r.cursor // self.ps or b >= r.given:
                 return
             h = r.hashes[b]
-            if h in self.index:
+            if h in self.index and h not in self.evictable:  # pinned: the request keeps its copy
                 r.own[r.num_settled] = "dup"
                 self._count("duplicate_blocks")
-            else:
-                assert self.pins[h] > 0  # the publishing request pins it
+            else:  # new, or replacing an unpinned page (freed): the request's page is published
+                if h in self.index:
+                    del self.index[h]
+                    del self.evictable[h]
+                    self._count("replaced_blocks")
                 self.index[h] = None
                 r.own[r.num_settled] = "pub"
                 self.counters["published_blocks"] += 1
+                self._pin([h])
             r.num_settled += 1
+
+    def _pinned_by(self, r: ModelRequest) -> list:
+        """Hashes a live request pins, in block order: prefix blocks and own published pages."""
+        if r.first_block is None:
+            return list(r.hashes[: r.given])
+        own = [r.hashes[r.first_block + i] for i, s in enumerate(r.own) if s == "pub"]
+        return list(r.hashes[: min(r.first_block, r.given)]) + own
 
     def _give(self, r: ModelRequest, n: int):
         hs = list(r.hashes[r.given : r.given + n])
         self.cache.add_block_hashes(r.rid, hs)
         r.registered = True
         r.given += n
-        self._pin(hs)
+        # pinned: the blocks read through the index (all, before the first capture)
+        self._pin(hs if r.first_block is None else hs[: max(0, r.first_block - (r.given - n))])
         self._settle(r)
 
     def _available_hashes(self, r: ModelRequest) -> int:
@@ -404,7 +416,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.finish(r.rid)
         del self.live[r.rid]
         if r.registered:
-            self._unpin(reversed(r.hashes[: r.given]))
+            self._unpin(reversed(self._pinned_by(r)))
         preempted_len = max(r.prompt_len, r.cursor)  # a restart's prompt: everything so far
         self.finished[r.rid] = (r.tokens, max(1, min(preempted_len, len(r.tokens))))
 
@@ -444,7 +456,15 @@ class CacheMachine(RuleBasedStateMachine):
             cursor = sim_cursor.get(r.rid, r.cursor if r.first_block is not None else start)
             need += blocks_touched(cursor, start + n, self.ps)
             sim_cursor[r.rid] = start + n
-        full = need > self._free() + len(self.evictable)
+        # a first capture stops pinning the hashes of the blocks it computes itself
+        first_captures, seen = [], set()
+        for r, start, _ in items:
+            if r.first_block is None and r.rid not in seen:
+                seen.add(r.rid)
+                first_captures.append((r, start))
+        drops = Counter(h for r, start in first_captures for h in r.hashes[start // self.ps : r.given])
+        releasing = sum(1 for h, k in drops.items() if h in self.index and self.pins[h] == k)
+        full = need > self._free() + len(self.evictable) + releasing
 
         apis = ["capture", "capture_many", "capture_from"] if len(items) == 1 else ["capture_many", "capture_from"]
         api = data.draw(st.sampled_from(apis), label="api")
@@ -477,6 +497,10 @@ class CacheMachine(RuleBasedStateMachine):
         for (r, start, n), c in zip(items, chunks):  # the caller's rows are never written to
             assert torch.equal(c, r.rows[start : start + n].to(row_dtype))
 
+        for r, start in first_captures:
+            if r.given > start // self.ps:
+                self._count("first_capture_unpins")
+            self._unpin(reversed(r.hashes[start // self.ps : r.given]))
         # model: free pages first, then the oldest evictable hashes
         for _ in range(max(0, need - self._free())):
             h, _ = self.evictable.popitem(last=False)
@@ -792,6 +816,6 @@ def test_cache_against_the_model(backend):
     for what in (
         "prefix_attaches", "late_hit_hashes", "restarts", "preemptions", "duplicate_blocks", "evictions",
         "cache_full", "batched_captures", "reads_ok", "reads_unavailable", "retains", "releases", "resets",
-        "hash_deliveries", "invalid_captures", "bad_releases",
+        "hash_deliveries", "invalid_captures", "bad_releases", "replaced_blocks", "first_capture_unpins",
     ):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"
