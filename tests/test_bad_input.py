@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("bad_input_checks.py")
+TESTS = Path(__file__).parent
+SCRIPT = TESTS / "bad_input_checks.py"
 
 
 @pytest.mark.parametrize("flags", [[], ["-O"]], ids=["plain", "optimized"])
@@ -15,3 +16,13 @@ def test_every_bad_call_raises_a_typed_error_and_changes_nothing(flags):
     optimize = 1 if flags else 0
     assert f"optimize={optimize} " in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0 and "failures=0" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_input_property_tests_hold_under_python_O():
+    """test_cache_inputs.py again with the library's asserts stripped (pytest keeps its own)."""
+    done = subprocess.run(
+        [sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_cache_inputs.py"),
+         "-W", "ignore::pytest.PytestConfigWarning"],
+        capture_output=True, text=True, timeout=900, cwd=TESTS.parent,
+    )
+    assert done.returncode == 0 and " passed" in done.stdout and "failed" not in done.stdout, done.stdout + done.stderr

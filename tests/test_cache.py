@@ -928,3 +928,81 @@ def _readable(cache, request_id, start, end) -> bool:
     except RangeUnavailableError:
         return False
     return True
+
+
+# ------------------------------------------------ regressions of adversarial findings
+
+
+def test_a_source_with_a_storage_offset_is_stored_exactly_never_stale_rows(make_cache):
+    """Once a failed conversion after the bookkeeping left a page of 'old' rows readable as 'r'."""
+    cache = make_cache(1, page_size=4, row_shape=(2, 2))
+    cache.capture("old", 0, torch.full((4, 2, 2), 7))
+    cache.finish("old")
+    cache.capture("r", 0, torch.full((1, 2, 2), 1))
+    source = torch.arange(1, 18, dtype=torch.uint8)[1:].view(4, 2, 2)  # storage offset 1
+    cache.capture_from(source, [("r", 1, 0, 1)])
+    assert_rows(cache.read("r", 0, 2), torch.stack([torch.full((2, 2), 1, dtype=torch.uint8), source[0]]))
+
+
+def test_a_failed_conversion_is_typed_and_changes_nothing(make_cache):
+    class OutOfMemoryOnCopy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("to", "contiguous", "clone", "cat"):
+                raise torch.OutOfMemoryError("simulated")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    cache = make_cache(2, page_size=4, row_shape=(2, 2))
+    cache.capture("r", 0, torch.full((1, 2, 2), 1))
+    cache.add_block_hashes("r", [b"r0"])
+    before = cache.stats(), cache.page_states(), cache.pages.clone()
+    for call in (
+        lambda: cache.capture_from(torch.ones(4, 2, 2, dtype=torch.int64).as_subclass(OutOfMemoryOnCopy), [("r", 1, 0, 3)]),
+        lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64).as_subclass(OutOfMemoryOnCopy)),
+        lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64, device="meta")),
+    ):
+        with pytest.raises(InvalidCaptureError):
+            call()
+        assert (cache.stats(), cache.page_states()) == before[:2] and torch.equal(cache.pages, before[2])
+    assert_rows(cache.read("r", 0, 1), torch.full((1, 2, 2), 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "source_dtype, pool_dtype",
+    [(torch.int8, torch.uint8), (torch.int8, torch.uint16), (torch.int16, torch.uint16), (torch.uint64, torch.uint8),
+     (torch.uint32, torch.int16), (torch.uint64, torch.int32)],
+)
+def test_narrow_and_unsigned_rows_that_fit_are_accepted_and_those_that_do_not_are_refused(
+    make_cache, source_dtype, pool_dtype
+):
+    cache = make_cache(2, page_size=4, row_shape=(2, 2), dtype=pool_dtype)
+    fitting = torch.tensor([0, 1, 2, 127], dtype=source_dtype).view(1, 2, 2)
+    cache.capture("r", 0, fitting)
+    assert torch.equal(cache.read("r", 0, 1).cpu().to(torch.int64), fitting.to(torch.int64))
+    big = 2**64 - 1 if source_dtype == torch.uint64 else torch.iinfo(source_dtype).max
+    small = torch.iinfo(source_dtype).min
+    for bad in ([0, 0, 0, -1] if small < 0 else [0, 0, 0, big],):
+        if torch.iinfo(pool_dtype).min <= bad[-1] <= torch.iinfo(pool_dtype).max:
+            continue
+        with pytest.raises(InvalidCaptureError, match="outside the pool dtype"):
+            cache.capture("r", 1, torch.tensor(bad, dtype=source_dtype).view(1, 2, 2))
+    assert cache.stats()["captured_rows"] == 1
+
+
+def test_malformed_arguments_raise_typed_errors(make_cache):
+    cache = make_cache(2, page_size=4, row_shape=(2, 2))
+    out_of_range = torch.full((1, 2, 2), 300)
+    with pytest.raises(RoutedExpertsCacheError, match="start must be an int"):
+        cache.capture("r", 0.0, out_of_range)  # the position is checked before the ids
+    for call in (
+        lambda: cache.capture_many(None),
+        lambda: cache.capture_from(torch.zeros(1, 2, 2, dtype=torch.uint8), None),
+        lambda: cache.add_block_hashes("r", None),
+        lambda: cache.retain(None),
+        lambda: cache.release(None),
+    ):
+        with pytest.raises(InvalidCaptureError, match="must be a sequence"):
+            call()
+    for call in (lambda: cache.read_many(None), lambda: cache.read_packed(None)):
+        with pytest.raises(RangeUnavailableError, match="must be a sequence"):
+            call()

@@ -1,0 +1,249 @@
+"""Property test over every input the cache API takes: accepted ones store exact rows,
+refused ones raise the project's typed error and change nothing.
+
+- Rows of every integer dtype (int8 ... int64, uint8 ... uint64) with values at the limits of
+  their dtype and of each pool dtype (one past them too), laid out contiguous, with a
+  storage offset, strided, transposed or expanded, through ``capture``, ``capture_many`` and
+  ``capture_from``; rows on the ``meta`` device, of non-integer dtypes, and rows whose
+  conversion to the pool fails (a simulated device out-of-memory).
+- A wrong Python value in every argument position of every public call.
+
+Accepted: the rows read back exactly (compared as integers) and every other row is unchanged.
+Refused: a ``RoutedExpertsCacheError`` (the documented subclass where there is one), and
+``page_states()``, ``stats()``, the pool and every read are exactly as before.
+``test_bad_input.py`` runs this file again under ``python -O`` (asserts in the library vanish).
+"""
+
+import numpy as np
+import pytest
+import torch
+from conftest import TEST_DEVICE
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from routed_experts_cache.connector import (
+    InvalidCaptureError,
+    RangeUnavailableError,
+    RoutedExpertsCache,
+    RoutedExpertsCacheError,
+)
+
+ROW = (2, 3)
+PAGE = 4
+SOURCE_DTYPES = (
+    torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64, torch.uint64,
+)
+POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
+LAYOUTS = ("contiguous", "offset", "strided", "transposed", "expanded")
+REFUSED_SOURCES = ("meta", "float", "bool", "unconvertible")
+EXAMPLES = {"torch": 250, "triton": 40}
+
+
+class UnconvertibleRows(torch.Tensor):
+    """Rows whose copy to the pool fails, as a device out-of-memory in ``.to()`` would."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("to", "contiguous", "clone", "cat"):
+            raise torch.OutOfMemoryError("simulated out-of-memory while converting rows")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def populated(backend: str, pool_dtype: torch.dtype) -> RoutedExpertsCache:
+    """'a': 6 rows, block 0 published; 'b': 3 rows; 3 of 6 pages free."""
+    cache = RoutedExpertsCache(6, PAGE, ROW, dtype=pool_dtype, device=TEST_DEVICE, backend=backend)
+    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
+    cache.add_block_hashes("a", [b"a0"])
+    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    return cache
+
+
+def observe(cache: RoutedExpertsCache):
+    """Everything a caller can see, read with the cache's own calls."""
+    stats = cache.stats()
+    reads = [cache.read("a", 0, 6).cpu(), cache.read("b", 0, 3).cpu()]
+    return stats, cache.page_states(), cache.pages.cpu().clone(), reads
+
+
+def assert_unchanged(before, after) -> None:
+    stats, states, pages, reads = before
+    stats2, states2, pages2, reads2 = after
+    stats2 = dict(stats2, read_rows=stats["read_rows"])  # observe() itself reads
+    assert stats2 == stats
+    assert states2 == states
+    assert torch.equal(pages2, pages)
+    assert all(torch.equal(x, y) for x, y in zip(reads, reads2))
+
+
+def limits(dtype: torch.dtype, pool_dtype: torch.dtype) -> list[int]:
+    """Values at the edges of the source dtype and of the pool dtype, where representable."""
+    source, pool = torch.iinfo(dtype), torch.iinfo(pool_dtype)
+    if dtype == torch.uint64:
+        source_max = 2**64 - 1
+    else:
+        source_max = source.max
+    candidates = {source.min, source_max, 0, 1, pool.min, pool.max, pool.min - 1, pool.max + 1, 2**63 - 1, 2**63}
+    return sorted(v for v in candidates if source.min <= v <= source_max)
+
+
+def laid_out(values: torch.Tensor, layout: str, offset: int) -> torch.Tensor:
+    """The same rows in another memory layout (values is contiguous)."""
+    n = values.shape[0]
+    if layout == "contiguous":
+        return values
+    if layout == "offset":  # a view starting ``offset`` elements into its storage
+        buffer = torch.zeros(offset + values.numel(), dtype=values.dtype)
+        buffer[offset:] = values.flatten()
+        return buffer[offset:].view(values.shape)
+    if layout == "strided":  # every other element of a wider tensor
+        wide = torch.zeros((n, ROW[0], 2 * ROW[1]), dtype=values.dtype)
+        wide[:, :, ::2] = values
+        return wide[:, :, ::2]
+    if layout == "transposed":
+        return values.transpose(1, 2).contiguous().transpose(1, 2)
+    return values[:1].expand(n, *ROW)  # "expanded": stride 0 over rows
+
+
+@st.composite
+def row_sources(draw, pool_dtype):
+    """(source tensor, its values as int64 or None when unrepresentable, expected to fit)."""
+    n = draw(st.integers(1, 6), label="n")
+    kind = draw(st.sampled_from(("integer",) * 6 + REFUSED_SOURCES), label="kind")
+    if kind == "float":
+        return torch.zeros((n, *ROW), dtype=torch.float32), None, False
+    if kind == "bool":
+        return torch.zeros((n, *ROW), dtype=torch.bool), None, False
+    if kind in ("meta", "unconvertible"):
+        rows = torch.zeros((n, *ROW), dtype=torch.int64)
+        return (rows.to("meta") if kind == "meta" else rows.as_subclass(UnconvertibleRows)), None, False
+    # half of the sources already have the pool dtype: no conversion copy hides their layout
+    dtype = draw(st.sampled_from(SOURCE_DTYPES) | st.just(pool_dtype), label="dtype")
+    layout = draw(st.sampled_from(LAYOUTS), label="layout")
+    pool = torch.iinfo(pool_dtype)
+    inside = [v for v in limits(dtype, pool_dtype) if pool.min <= v <= pool.max]
+    outside = [v for v in limits(dtype, pool_dtype) if not pool.min <= v <= pool.max]
+    flat = draw(st.lists(st.sampled_from(inside), min_size=6 * n, max_size=6 * n), label="values")
+    if outside and draw(st.booleans(), label="one_outside"):  # one id that does not fit, anywhere
+        flat[draw(st.integers(0, 6 * n - 1), label="at")] = draw(st.sampled_from(outside), label="outside")
+    if layout == "expanded":
+        flat = flat[:6] * n
+    values = torch.tensor(flat, dtype=dtype).reshape(n, *ROW)
+    source = laid_out(values, layout, draw(st.integers(1, 3), label="offset"))
+    fits = all(pool.min <= v <= pool.max for v in flat)
+    return source, flat, fits
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_of_any_dtype_and_layout_are_stored_exactly_or_refused_without_change(backend):
+    run = settings(
+        deadline=None, derandomize=True, database=None, max_examples=EXAMPLES[backend],
+        suppress_health_check=[HealthCheck.too_slow],
+    )(given(data=st.data())(lambda data: check_one_capture(backend, data)))
+    run()
+
+
+def check_one_capture(backend, data):
+    pool_dtype = data.draw(st.sampled_from(POOL_DTYPES), label="pool_dtype")
+    cache = populated(backend, pool_dtype)
+    source, flat, fits = data.draw(row_sources(pool_dtype), label="source")
+    n = source.shape[0]
+    api = data.draw(st.sampled_from(["capture", "capture_new", "capture_many", "capture_from"]), label="api")
+    before = observe(cache)
+    if api == "capture":
+        call, request_id, start = (lambda: cache.capture("a", 6, source)), "a", 6
+    elif api == "capture_new":
+        call, request_id, start = (lambda: cache.capture("c", 0, source)), "c", 0
+    elif api == "capture_many":
+        call, request_id, start = (lambda: cache.capture_many([("b", 3, source), ("a", 6, source)])), "a", 6
+    else:
+        call, request_id, start = (lambda: cache.capture_from(source, [("a", 6, 0, n)])), "a", 6
+    if not fits:
+        with pytest.raises(InvalidCaptureError):
+            call()
+        assert_unchanged(before, observe(cache))
+        cache.check_consistency()
+        return
+    call()
+    cache.check_consistency()
+    want = torch.tensor(flat, dtype=torch.int64).reshape(n, *ROW)
+    assert torch.equal(cache.read(request_id, start, start + n).cpu().to(torch.int64), want)
+    if api == "capture_many":
+        assert torch.equal(cache.read("b", 3, 3 + n).cpu().to(torch.int64), want)
+    _, _, _, reads = before
+    assert torch.equal(cache.read("a", 0, 6).cpu(), reads[0])
+    assert torch.equal(cache.read("b", 0, 3).cpu(), reads[1])
+
+
+# ------------------------------------------------------------- wrong Python values
+
+BAD_VALUES = (
+    None, 1.5, True, False, -1, "x", b"x", b"", [1], ("a", 1), {}, np.int64(3), torch.tensor(3), object(),
+    torch.zeros((2, *ROW), dtype=torch.int64),
+)
+
+
+def valid(kind: str, value) -> bool:
+    """Whether ``value`` is an acceptable argument of this kind (then it is not a bad value)."""
+    if kind == "id":
+        return type(value) in (str, int)
+    if kind == "position":
+        return type(value) is int and value >= 0
+    if kind == "rows":
+        return isinstance(value, torch.Tensor) and value.dim() == 3
+    if kind == "hash":
+        return type(value) is bytes and len(value) > 0
+    if kind == "sequence":  # an empty collection is a valid "nothing to do"
+        return isinstance(value, (list, tuple, dict)) and not value
+    return False
+
+
+ROWS2 = torch.arange(12).reshape(2, *ROW)
+# call name -> (function of the argument list, the valid arguments, their kinds, the error type)
+CALLS = {
+    "capture": (lambda c, a: c.capture(*a), ("a", 6, ROWS2), ("id", "position", "rows"), RoutedExpertsCacheError),
+    "capture_many items": (lambda c, a: c.capture_many(a[0]), ([("a", 6, ROWS2)],), ("sequence",), InvalidCaptureError),
+    "capture_many item": (lambda c, a: c.capture_many([("b", 3, ROWS2), a[0]]), (("a", 6, ROWS2),), ("item",),
+                          InvalidCaptureError),
+    "capture_many fields": (lambda c, a: c.capture_many([("b", 3, ROWS2), tuple(a)]), ("a", 6, ROWS2),
+                            ("id", "position", "rows"), RoutedExpertsCacheError),
+    "capture_from source": (lambda c, a: c.capture_from(a[0], [("a", 6, 0, 2)]), (ROWS2,), ("rows",),
+                            InvalidCaptureError),
+    "capture_from spans": (lambda c, a: c.capture_from(ROWS2, a[0]), ([("a", 6, 0, 2)],), ("sequence",),
+                           InvalidCaptureError),
+    "capture_from span": (lambda c, a: c.capture_from(ROWS2, [tuple(a)]), ("a", 6, 0, 2),
+                          ("id", "position", "position", "position"), RoutedExpertsCacheError),
+    "add_block_hashes": (lambda c, a: c.add_block_hashes(a[0], [a[1]]), ("a", b"a1"), ("id", "hash"),
+                         RoutedExpertsCacheError),
+    "add_block_hashes sequence": (lambda c, a: c.add_block_hashes("a", a[0]), ([b"a1"],), ("sequence",),
+                                  InvalidCaptureError),
+    "retain": (lambda c, a: c.retain([a[0]]), (b"a0",), ("hash",), InvalidCaptureError),
+    "retain sequence": (lambda c, a: c.retain(a[0]), ([b"a0"],), ("sequence",), InvalidCaptureError),
+    "release": (lambda c, a: c.release([a[0]]), (b"a0",), ("hash",), InvalidCaptureError),
+    "release sequence": (lambda c, a: c.release(a[0]), ([],), ("sequence",), InvalidCaptureError),
+    "read": (lambda c, a: c.read(*a), ("a", 0, 6), ("id", "position", "position"), RoutedExpertsCacheError),
+    "read_many intervals": (lambda c, a: c.read_many(a[0]), ([("a", 0, 6)],), ("sequence",), RangeUnavailableError),
+    "read_packed interval": (lambda c, a: c.read_packed([("b", 0, 3), a[0]]), (("a", 0, 6),), ("item",),
+                             RangeUnavailableError),
+    "finish": (lambda c, a: c.finish(a[0]), ("a",), ("id",), RoutedExpertsCacheError),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("call_name", sorted(CALLS))
+@settings(deadline=None, derandomize=True, database=None, max_examples=25)
+@given(data=st.data())
+def test_a_wrong_value_in_any_argument_is_refused_without_change(backend, call_name, data):
+    call, arguments, kinds, error = CALLS[call_name]
+    position = data.draw(st.integers(0, len(arguments) - 1), label="position")
+    bad = data.draw(st.sampled_from(BAD_VALUES), label="bad")
+    assume(not valid(kinds[position], bad))
+    if kinds[position] == "id" and type(bad) is int:  # a valid but unknown id: not a type error
+        assume(False)
+    cache = populated(backend, torch.uint8)
+    arguments = list(arguments)
+    arguments[position] = bad
+    before = observe(cache)
+    with pytest.raises(error):
+        call(cache, arguments)
+    assert_unchanged(before, observe(cache))
+    cache.check_consistency()
