@@ -580,6 +580,44 @@ class RoutedExpertsCache:
         self._free.extend(page for page in reversed(request.own_pages) if page not in published)
         self._unpin(reversed(pinned))
 
+    def rewind(self, request_id, position: int) -> None:
+        """Forget a request's captured rows from ``position`` on: the engine recomputes them.
+
+        vLLM rolls a request's computed tokens back when KV blocks fail to load; the rows
+        computed on that KV are not the request's rows. Own pages past ``position`` are freed,
+        and unpublished if they were the published copy; before the first captured block the
+        rewind must be on a page boundary, and those prefix blocks become the request's own
+        (it recomputes them). Unknown requests and positions at or past the cursor: no-op.
+        """
+        _check_request_id(request_id)
+        if _check_position("position", position, request_id) < 0:
+            raise InvalidCaptureError(f"request {request_id!r}: rewind position must be >= 0, got {position}")
+        request = self._requests.get(request_id)
+        if request is None or request.first_block is None or position >= request.cursor:
+            return
+        size, first_block = self.page_size, request.first_block
+        own_start = first_block * size
+        if position < own_start and position % size:
+            raise InvalidCaptureError(
+                f"request {request_id!r}: a rewind before the first captured block ({own_start}) must be "
+                f"on a page boundary (page size {size}), got {position}"
+            )
+        partial = max(0, position - own_start) // size  # own blocks before this one stay settled
+        for offset in range(partial, request.num_settled):
+            block_hash = request.hashes[first_block + offset]
+            if self._index.get(block_hash) == request.own_pages[offset]:
+                del self._index[block_hash]  # its rows came from the rolled-back computation
+                self._unpin([block_hash])
+        request.num_settled = min(request.num_settled, partial)
+        keep = -(-max(0, position - own_start) // size)  # own pages still holding rows
+        self._free.extend(reversed(request.own_pages[keep:]))
+        del request.own_pages[keep:]
+        if position < own_start:
+            request.first_block = position // size
+            self._unpin(reversed(request.hashes[request.first_block : first_block]))
+        self._counters["rewound_rows"] += request.cursor - position
+        request.cursor = position
+
     def reset(self) -> None:
         """Drop every request and page; hashes from before never hit again."""
         self.generation += 1
@@ -624,6 +662,7 @@ class RoutedExpertsCache:
             "prefix_hit_rows": self._counters["prefix_hit_rows"],
             "captured_rows": self._counters["captured_rows"],
             "read_rows": self._counters["read_rows"],
+            "rewound_rows": self._counters["rewound_rows"],
         }
 
     def check_consistency(self) -> None:

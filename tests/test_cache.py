@@ -1006,3 +1006,27 @@ def test_malformed_arguments_raise_typed_errors(make_cache):
     for call in (lambda: cache.read_many(None), lambda: cache.read_packed(None)):
         with pytest.raises(RangeUnavailableError, match="must be a sequence"):
             call()
+
+
+def test_rewind_drops_rows_computed_on_failed_kv_and_recaptures_them(make_cache, gen):
+    cache = make_cache(8)
+    good, bad = rand_rows(gen, 10), rand_rows(gen, 10)
+    cache.add_block_hashes("p", [h("p", 0)])
+    cache.capture("p", 0, good[:4])  # block 0 published by another request
+    cache.add_block_hashes("r", [h("p", 0), h("r", 1), h("r", 2)])
+    cache.capture("r", 4, bad[4:10])  # rows computed on KV that then failed to load
+    assert cache.is_published(h("r", 1))
+    cache.rewind("r", 6)  # mid-block: [4, 6) stay, block 1 is unpublished (its rows were bad)
+    assert not cache.is_published(h("r", 1)) and cache.stats()["rewound_rows"] == 4
+    assert_rows(cache.read("r", 0, 6), u8(torch.cat([good[:4], bad[4:6]])))
+    assert_unavailable(cache, "r", 0, 7)
+    cache.rewind("r", 0)  # into the prefix: block 0 becomes r's own, recomputed
+    assert_unavailable(cache, "r", 0, 1)
+    cache.capture("r", 0, good)
+    assert_rows(cache.read("r", 0, 10), u8(good))
+    assert cache.is_published(h("r", 1))
+    cache.add_block_hashes("s", [h("p", 0)])
+    cache.capture("s", 4, good[4:6])
+    with pytest.raises(InvalidCaptureError, match="page boundary"):
+        cache.rewind("s", 2)  # inside a prefix block: rows [0, 2) alone cannot be kept
+    assert_accounting(cache)

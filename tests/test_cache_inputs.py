@@ -225,6 +225,7 @@ CALLS = {
     "read_packed interval": (lambda c, a: c.read_packed([("b", 0, 3), a[0]]), (("a", 0, 6),), ("item",),
                              RangeUnavailableError),
     "finish": (lambda c, a: c.finish(a[0]), ("a",), ("id",), RoutedExpertsCacheError),
+    "rewind": (lambda c, a: c.rewind(*a), ("a", 2), ("id", "position"), RoutedExpertsCacheError),
 }
 
 

@@ -284,6 +284,7 @@ class CacheMachine(RuleBasedStateMachine):
             "prefix_hit_rows": self.counters["prefix_hit_rows"],
             "captured_rows": self.counters["captured_rows"],
             "read_rows": self.counters["read_rows"],
+            "rewound_rows": self.counters["rewound_rows"],
         }
 
     def _snapshot(self):
@@ -682,6 +683,41 @@ class CacheMachine(RuleBasedStateMachine):
             if not isinstance(result, RangeUnavailableError):
                 self._check_reads(intervals, result)
 
+    @precondition(lambda self: self.cache is not None and any(r.first_block is not None for r in self.live.values()))
+    @rule(data=st.data())
+    def rewind(self, data):
+        """The engine rolls a request back (KV blocks failed to load) and recomputes from there."""
+        self._count("steps")
+        r = self._pick_live(data, lambda r: r.first_block is not None and r.cursor > 0)
+        if r is None:
+            return
+        ps, own_start = self.ps, r.first_block * self.ps
+        if data.draw(st.booleans(), label="into_prefix") and r.first_block > 0:
+            position = data.draw(st.integers(0, r.first_block), label="block") * ps
+        else:
+            position = data.draw(st.integers(own_start, r.cursor), label="position")
+        self.cache.rewind(r.rid, position)
+        if position >= r.cursor:
+            return
+        partial = max(0, position - own_start) // ps
+        for offset in range(partial, r.num_settled):
+            if r.own[offset] == "pub":
+                h = r.hashes[r.first_block + offset]
+                del self.index[h]
+                self._unpin([h])
+        r.num_settled = min(r.num_settled, partial)
+        keep = -(-max(0, position - own_start) // ps)
+        r.own = [s if i < r.num_settled else None for i, s in enumerate(r.own[:keep])]
+        if position < own_start:
+            first = position // ps
+            self._unpin(reversed(r.hashes[first : min(r.first_block, r.given)]))
+            r.first_block = first
+            r.start = position
+            self._count("rewinds_into_prefix")
+        self.counters["rewound_rows"] += r.cursor - position
+        r.cursor = position
+        self._count("rewinds")
+
     # ---------------------------------------------------------------- pins, reset
 
     @precondition(lambda self: self.cache is not None and self.hash_rows and len(self.retained) < 4)
@@ -817,5 +853,6 @@ def test_cache_against_the_model(backend):
         "prefix_attaches", "late_hit_hashes", "restarts", "preemptions", "duplicate_blocks", "evictions",
         "cache_full", "batched_captures", "reads_ok", "reads_unavailable", "retains", "releases", "resets",
         "hash_deliveries", "invalid_captures", "bad_releases", "replaced_blocks", "first_capture_unpins",
+        "rewinds", "rewinds_into_prefix",
     ):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"
