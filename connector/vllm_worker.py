@@ -68,6 +68,7 @@ class PendingCacheOutput:
     token_starts: np.ndarray
     query_start_loc: np.ndarray
     snapshot: torch.Tensor
+    emit_starts: dict[str, int]  # the step metadata's emit start per request
     snapshot_ready: torch.cuda.Event | None = None  # recorded on the model's stream (CUDA only)
     num_sampled: np.ndarray | None = None
     num_rejected: np.ndarray | None = None
@@ -107,16 +108,21 @@ class CacheWorkerConnector:
         self._lock = Lock()
         self._side_stream = SideStream(cache.device) if cache is not None and cache.device.type == "cuda" else None
         self._reattachments = 0
+        self._rollbacks = 0
 
     @property
     def cache(self) -> RoutedExpertsCache | None:
         return self._cache
 
     def stats(self) -> dict[str, int]:
-        """The cache's page counts and counters, plus the steps that re-attached a request."""
+        """The cache's page counts and counters, plus the requests re-attached after rejected
+        drafts (async scheduling) and rolled back after failed KV loads."""
         with self._lock:
             cache_stats = self._cache.stats() if self._cache is not None else {}
-            return {**cache_stats, "reattachments": self._reattachments, "requests_tracked": len(self._requests)}
+            return {
+                **cache_stats, "reattachments": self._reattachments, "rollbacks": self._rollbacks,
+                "requests_tracked": len(self._requests),
+            }
 
     # ---------------------------------------------------------- model thread
 
@@ -214,6 +220,7 @@ class CacheWorkerConnector:
             token_starts=np.array(input_batch.num_computed_tokens_np[: len(request_ids)]),
             query_start_loc=query_start_loc,
             snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
+            emit_starts=self._step_metadata.requests,
         )
         if self._side_stream is not None:
             pending.snapshot_ready = self._side_stream.mark_ready()
@@ -258,7 +265,7 @@ class CacheWorkerConnector:
     def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
         if pending.num_sampled is None or pending.num_rejected is None:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
-        spans, emits, updates, reattached = [], [], [], 0
+        spans, emits, updates, rewinds, reattached = [], [], [], [], 0
         for request_id, token_start, start, end, sampled, rejected in zip(
             pending.request_ids,
             pending.token_starts.tolist(),
@@ -274,14 +281,15 @@ class CacheWorkerConnector:
                 raise ConnectorStateError(
                     f"request {request_id!r}: invalid step rows ({num_rows} scheduled, {rejected} rejected)"
                 )
-            capture_start = token_start
+            capture_start, emit_start = token_start, state.emit_cursor
             cursor = state.capture_cursor if state.capture_cursor is not None else capture_start
             if capture_start < cursor:
-                raise ConnectorStateError(
-                    f"request {request_id!r}: capture moved backwards to {capture_start}, rows up to "
-                    f"{cursor} are captured"
-                )
-            if capture_start > cursor:
+                # vLLM rolled the request back (KV blocks failed to load; recompute policy) and
+                # dropped that step's output: rows from there on came from the failed KV.
+                # Recapture them, and emit again from where the scheduler now starts.
+                rewinds.append((request_id, capture_start))
+                emit_start = min(emit_start, pending.emit_starts.get(request_id, emit_start))
+            elif capture_start > cursor:
                 # Async scheduling assumed every draft was accepted; re-attach at the cursor.
                 if cursor >= state.scheduled_cursor:
                     raise ConnectorStateError(
@@ -291,9 +299,12 @@ class CacheWorkerConnector:
                 reattached += 1
             token_end = capture_start + num_rows - rejected
             spans.append((request_id, capture_start, start, num_rows - rejected))
-            if sampled > 0 and state.emit_cursor <= token_end:
-                emits.append((request_id, state.emit_cursor, token_end))
+            if sampled > 0 and emit_start <= token_end:
+                emits.append((request_id, emit_start, token_end))
             updates.append((state, token_end, token_start + num_rows))
+        for request_id, position in rewinds:
+            self._cache.rewind(request_id, position)
+        self._rollbacks += len(rewinds)
         self._cache.capture_from(pending.snapshot, spans)
         for state, token_end, scheduled_end in updates:
             state.capture_cursor = token_end

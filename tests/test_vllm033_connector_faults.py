@@ -272,5 +272,5 @@ def test_ranks_without_a_cache_follow_the_steps_and_return_nothing():
         connector.begin_step(metadata({"a": 0}, {"a": [block_hash("a", 0)]}, generation=generation))
         assert connector.prepare_output(input_batch(["a"], [0, PAGE], [0])) is None
     assert connector.cache is None
-    assert connector.stats() == {"reattachments": 0, "requests_tracked": 0}
+    assert connector.stats() == {"reattachments": 0, "rollbacks": 0, "requests_tracked": 0}
     connector.close()
