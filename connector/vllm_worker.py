@@ -301,14 +301,15 @@ class CacheWorkerConnector:
             spans.append((request_id, capture_start, start, num_rows - rejected))
             if sampled > 0 and emit_start <= token_end:
                 emits.append((request_id, emit_start, token_end))
-            updates.append((state, token_end, token_start + num_rows))
+            updates.append((state, token_end, token_start + num_rows, emit_start))
         for request_id, position in rewinds:
             self._cache.rewind(request_id, position)
         self._rollbacks += len(rewinds)
         self._cache.capture_from(pending.snapshot, spans)
-        for state, token_end, scheduled_end in updates:
+        for state, token_end, scheduled_end, emit_start in updates:
             state.capture_cursor = token_end
             state.scheduled_cursor = scheduled_end
+            state.emit_cursor = emit_start  # lower only after a roll-back
         self._reattachments += reattached
         packed, offsets = self._cache.read_packed(emits)
         host_rows = packed.cpu().numpy()

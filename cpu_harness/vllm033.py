@@ -15,6 +15,37 @@ tokens plus its own drafts, samples with a deterministic "true" next-token funct
 rejection sampler, and hands the connector a snapshot of routing rows. ``SimEngine``
 mirrors ``EngineCore.step`` (sync) and ``EngineCore.step_with_batch_queue`` (async).
 
+With a KV connector (``make_scheduler(kv_connector={...})``: the stub of
+``cpu_harness/kv_connector.py``, loaded by vLLM through ``kv_transfer_config``) the runner
+also drives the worker side of the connector as MRV2's ``ActiveKVConnector`` does, and keeps
+a model of invalid KV (a failed load) so rows computed over it are wrong (``poison``). What
+vLLM 0.33 does there, read from its source and observed with this harness:
+
+- Rows of externally loaded tokens are not computed: they are prefix rows. The scheduler
+  (``AuxOutputSchedulerConnector.cap_external_hit``) accepts an external hit only if it ends
+  on a KV block boundary and every block of local + external hit is GPU-cached or retained
+  by the aux-output scheduler (``_kv_cached``, up to ``_capacity`` = 2 x ``num_blocks`` with
+  a KV connector); otherwise it drops the whole external hit. ``request_loading`` keeps an
+  async load's blocks retained until the request is scheduled. The worker gets the hashes
+  of the loaded blocks like any prefix hit and returns their rows from what it retained;
+  the client receives them (from ``routed_experts_prompt_start``).
+- With a KV connector vLLM keeps the legacy block hashes (``num_hash_lookahead_tokens`` 0).
+- A failed *synchronous* load (recompute policy): ``update_from_output`` ->
+  ``_handle_invalid_blocks`` sets the running request's ``num_computed_tokens`` to its
+  first invalid block and skips its output of the step (no ``take_output``, no tokens);
+  running requests that share an invalid block another request marks are set back to
+  their count before the step. The next step schedules them as running requests at the
+  lower count: the input batch's ``num_computed_tokens_np`` goes backwards; the block hashes
+  already sent (up to the failed step's end) are not sent again, no terminal event. MRV2
+  0.33's ``update_requests`` writes only that CPU mirror: its device ``num_computed_tokens``,
+  sampled token and drafts are not rolled back. This harness's device follows the scheduler
+  (``SimModelRunner.follow_rollback``), the behaviour the scheduler asks for.
+- A failed *asynchronous* load is handled while the request waits for its KV: the worker
+  first sees it at the lowered count; nothing goes backwards.
+- Under ``AsyncScheduler`` the roll-back subtracts only the processed step's tokens from a
+  count that includes the step in flight; the harness refuses to simulate that
+  (``HarnessError``).
+
 Routing rows are a pure function of the token prefix: the row of position ``p`` is derived
 from a chained hash of ``tokens[0..p]``. Rows computed for a rejected draft therefore
 differ from the true row of that position, and rows of equal prefixes (prefix-cache hits)
@@ -60,6 +91,7 @@ from vllm.config import (  # noqa: E402
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.distributed.aux_output_connector.connector import AuxRequestOutput  # noqa: E402
 from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer  # noqa: E402
 from vllm.distributed.aux_output_connector.store import BackgroundBlockObjectStore, BlockObjectStore  # noqa: E402
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector  # noqa: E402
@@ -71,7 +103,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -165,6 +197,13 @@ class SchedulerSetup:
     lookahead: int
     num_spec_tokens: int
     async_scheduling: bool
+    # The worker-side StubKVConnector (cpu_harness/kv_connector.py) when make_scheduler
+    # was given kv_connector options; the scheduler built its own scheduler-side instance.
+    kv_worker: object = None
+
+    @property
+    def block_size(self) -> int:
+        return self.vllm_config.cache_config.block_size
 
 
 def make_scheduler(
@@ -178,25 +217,49 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     max_model_len: int = 512,
     block_size: int = BLOCK_SIZE,
+    kv_connector: dict | None = None,
 ) -> SchedulerSetup:
     """The real 0.33 scheduler, configured the way the engine core builds it.
 
     ``lookahead`` 1 is single-module MTP (eagle family, any ``num_spec_tokens``); L > 1 is
     multi-module MTP with ``num_spec_tokens == L``; 0 turns lookahead hashing off
     (``disable_lookahead_block_hashes``). vLLM derives ``num_hash_lookahead_tokens``
-    itself; it is checked against ``lookahead`` here.
+    itself; it is checked against ``lookahead`` here. ``num_spec_tokens=0`` (with
+    ``lookahead=0``) builds no speculative config at all: no speculative decoding.
+
+    ``kv_connector``: options of ``cpu_harness.kv_connector.kv_transfer_config`` (``{}`` for
+    the defaults); the scheduler then loads ``StubKVConnector`` through vLLM's
+    ``kv_transfer_config`` (``kv_role="kv_both"``, ``kv_load_failure_policy`` "recompute"
+    unless given) and the worker-side instance is ``setup.kv_worker``.
     """
     nextn = max(1, lookahead)
     if lookahead > 1 and num_spec_tokens != lookahead:
         # Multi-module MTP hashes num_speculative_tokens lookahead tokens.
         raise HarnessError("multi-module MTP lookahead L needs num_spec_tokens == L")
+    if num_spec_tokens == 0 and lookahead != 0:
+        raise HarnessError("lookahead hashing needs speculative decoding (num_spec_tokens > 0)")
+    if num_spec_tokens < 0:
+        raise HarnessError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
     model_config = ModelConfig(
         model=_model_dir(nextn), skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len
     )
-    speculative_config = SpeculativeConfig(
-        method="mtp", num_speculative_tokens=num_spec_tokens, target_model_config=model_config,
-        target_parallel_config=ParallelConfig(), disable_lookahead_block_hashes=lookahead == 0,
-    )
+    if kv_connector is not None and lookahead != 0:
+        # VllmConfig.num_hash_lookahead_tokens: "KV connectors ... keep the legacy hashes".
+        raise HarnessError("vLLM 0.33 turns lookahead hashing off with a KV connector: use lookahead=0")
+    speculative_config = None
+    if num_spec_tokens > 0:
+        # With a KV connector lookahead hashing stays requested (vLLM's default) and vLLM
+        # itself must turn it off; the check below holds it to that.
+        speculative_config = SpeculativeConfig(
+            method="mtp", num_speculative_tokens=num_spec_tokens, target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+            disable_lookahead_block_hashes=lookahead == 0 and kv_connector is None,
+        )
+    kv_transfer = None
+    if kv_connector is not None:
+        from cpu_harness.kv_connector import kv_transfer_config  # imports this module: not at the top
+
+        kv_transfer = kv_transfer_config(**kv_connector)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_chunked_prefill=True, async_scheduling=async_scheduling,
@@ -206,7 +269,7 @@ def make_scheduler(
     vllm_config = VllmConfig(
         model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
         speculative_config=speculative_config, device_config=DeviceConfig(device="cpu"),
-        aux_output_config=AuxOutputConfig(enable_return_routed_experts=True),
+        aux_output_config=AuxOutputConfig(enable_return_routed_experts=True), kv_transfer_config=kv_transfer,
     )
     if vllm_config.num_hash_lookahead_tokens != lookahead:
         raise HarnessError(
@@ -231,12 +294,25 @@ def make_scheduler(
     )
     if scheduler.aux_output_connector is None:
         raise HarnessError("the scheduler built no AuxOutputSchedulerConnector")
+    kv_worker = None
+    if kv_transfer is not None:
+        from cpu_harness.kv_connector import StubKVConnector, make_worker
+
+        if not isinstance(scheduler.connector, StubKVConnector):
+            raise HarnessError(f"the scheduler built KV connector {type(scheduler.connector).__name__}")
+        kv_worker = make_worker(vllm_config, kv_cache_config)
+    # With a KV connector the aux-output scheduler keeps up to 2 x num_blocks retained blocks.
+    capacity = num_blocks * (2 if kv_transfer is not None else 1)
+    if scheduler.aux_output_connector._capacity != capacity:
+        raise HarnessError(f"AuxOutputSchedulerConnector capacity {scheduler.aux_output_connector._capacity}, "
+                           f"expected {capacity}")
     # EngineCore.__init__: the request block hasher with the config's lookahead tokens.
     caching_hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
     init_none_hash(caching_hash_fn)
     block_hasher = get_request_block_hasher(hash_block_size, caching_hash_fn, vllm_config.num_hash_lookahead_tokens)
     return SchedulerSetup(
-        scheduler, vllm_config, kv_cache_config, block_hasher, lookahead, num_spec_tokens, async_scheduling
+        scheduler, vllm_config, kv_cache_config, block_hasher, lookahead, num_spec_tokens, async_scheduling,
+        kv_worker,
     )
 
 
@@ -278,7 +354,8 @@ def build_our_connector(setup: SchedulerSetup, capturer: SnapshotCapturer, *, ba
     else:
         if num_pages is None:
             num_pages = build_cache(setup.vllm_config, setup.kv_cache_config, capturer).num_pages
-        cache = RoutedExpertsCache(num_pages, BLOCK_SIZE, ROW_SHAPE, dtype=torch.uint8, device="cpu",
+        _, page_size = resolve_kv_cache_block_sizes(setup.kv_cache_config, setup.vllm_config)
+        cache = RoutedExpertsCache(num_pages, page_size, ROW_SHAPE, dtype=torch.uint8, device="cpu",
                                    backend=backend or "auto")
     return CacheWorkerConnector(
         capturer=capturer, cache=cache, max_concurrent_batches=setup.vllm_config.max_concurrent_batches
@@ -318,6 +395,154 @@ def build_vllm_connector(setup: SchedulerSetup, capturer: SnapshotCapturer) -> A
     return connector
 
 
+@dataclass
+class _ReferenceState:
+    emit: int  # first row the client has not received
+    emit_start: int  # the scheduler's emit start in the latest metadata
+    hashes: list[bytes] = field(default_factory=list)
+    rows: dict[int, np.ndarray] = field(default_factory=dict)  # own captured rows by position
+    cursor: int | None = None
+    published: set[int] = field(default_factory=set)  # block indices this request published
+    pending: int = 0
+    finished: bool = False
+
+
+class _ReferencePending:
+    def __init__(self, connector, request_ids, token_starts, query_start_loc, snapshot) -> None:
+        self.connector, self.request_ids = connector, request_ids
+        self.token_starts, self.query_start_loc, self.snapshot = token_starts, query_start_loc, snapshot
+        self.num_sampled = self.num_rejected = None
+
+    def enqueue_cpu_copy(self, num_sampled, num_rejected) -> None:
+        self.num_sampled, self.num_rejected = num_sampled, num_rejected
+
+    def process_output(self):
+        return self.connector.process_output(self)
+
+
+class ReferenceWorkerConnector:
+    """An ideal worker connector on host dicts, used to check scenarios, not a product.
+
+    No memory bound (published rows are never evicted, so pins are moot) and no device
+    work. When a step's token start is behind what it captured (vLLM rolled back
+    ``num_computed_tokens``), it drops its rows from there on, withdraws the blocks it had
+    published from them and emits again from the scheduler's emit start (the client never
+    received the dropped step's rows). A scenario that fails with this connector points at
+    the harness or at vLLM, not at the connector under test.
+    """
+
+    def __init__(self, capturer: SnapshotCapturer, block_size: int) -> None:
+        self._capturer = capturer
+        self.block_size = block_size
+        self.published: dict[bytes, tuple[str, np.ndarray]] = {}  # hash -> (publisher, block rows)
+        self.requests: dict[str, _ReferenceState] = {}
+        self.generation = 0
+        self.metadata = None
+        self.rollbacks = 0
+        self.withdrawn = 0
+
+    def begin_step(self, metadata) -> None:
+        self.metadata = metadata
+        if metadata is None:
+            return
+        if metadata.generation != self.generation:
+            self.generation = metadata.generation
+            self.published.clear()
+            self.requests.clear()
+        for request_id, emit_start in metadata.requests.items():
+            state = self.requests.setdefault(request_id, _ReferenceState(emit=emit_start, emit_start=emit_start))
+            state.emit_start = emit_start
+        for request_id, packed in metadata.block_hashes.items():
+            state = self.requests.get(request_id)
+            if state is None:
+                raise HarnessError(f"reference: hashes for unknown request {request_id}")
+            state.hashes.extend(packed)
+            self._publish(request_id, state)
+        for request_id in metadata.finished_requests:
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.finished = True
+                if state.pending == 0:
+                    del self.requests[request_id]
+
+    def prepare_output(self, input_batch):
+        if self.metadata is None:
+            return None
+        request_ids = list(input_batch.req_ids)
+        query_start_loc = np.array(input_batch.query_start_loc_np[: len(request_ids) + 1])
+        snapshot = self._capturer.snapshot_routing_data(int(query_start_loc[-1])).numpy()
+        for request_id in request_ids:
+            self.requests[request_id].pending += 1
+        return _ReferencePending(self, request_ids, np.array(input_batch.num_computed_tokens_np[: len(request_ids)]),
+                                 query_start_loc, snapshot)
+
+    def process_output(self, pending: _ReferencePending):
+        bs, outputs = self.block_size, {}
+        for request_id, token_start, start, end, sampled, rejected in zip(
+            pending.request_ids, pending.token_starts.tolist(), pending.query_start_loc[:-1].tolist(),
+            pending.query_start_loc[1:].tolist(), pending.num_sampled.tolist(), pending.num_rejected.tolist(),
+            strict=True,
+        ):
+            state = self.requests[request_id]
+            state.pending -= 1
+            capture_start = token_start
+            cursor = state.cursor if state.cursor is not None else capture_start
+            if capture_start < cursor:  # roll-back
+                self.rollbacks += 1
+                for position in [p for p in state.rows if p >= capture_start]:
+                    del state.rows[position]
+                for k in sorted(k for k in state.published if (k + 1) * bs > capture_start):
+                    key = state.hashes[k]
+                    if self.published.get(key, (None,))[0] == request_id:
+                        del self.published[key]
+                        self.withdrawn += 1
+                    state.published.discard(k)
+                state.emit = min(state.emit, state.emit_start)
+            elif capture_start > cursor:  # async scheduling: drafts the device rejected
+                capture_start = cursor
+            accepted = end - start - rejected
+            for i in range(accepted):
+                state.rows[capture_start + i] = pending.snapshot[start + i].copy()
+            state.cursor = token_end = capture_start + accepted
+            self._publish(request_id, state)
+            if sampled > 0 and state.emit <= token_end:
+                outputs[request_id] = AuxRequestOutput(state.emit, self._read(request_id, state, state.emit, token_end))
+                state.emit = token_end
+            if state.finished and state.pending == 0:
+                del self.requests[request_id]
+        return outputs
+
+    def _publish(self, request_id: str, state: _ReferenceState) -> None:
+        bs = self.block_size
+        for k, key in enumerate(state.hashes):
+            if k in state.published or key in self.published:
+                continue
+            if all(p in state.rows for p in range(k * bs, (k + 1) * bs)):
+                self.published[key] = (request_id, np.stack([state.rows[p] for p in range(k * bs, (k + 1) * bs)]))
+                state.published.add(k)
+
+    def _read(self, request_id: str, state: _ReferenceState, start: int, end: int) -> np.ndarray:
+        rows = []
+        for p in range(start, end):
+            row = state.rows.get(p)
+            if row is None:
+                k = p // self.block_size
+                entry = self.published.get(state.hashes[k]) if k < len(state.hashes) else None
+                if entry is None:
+                    raise HarnessError(f"reference: {request_id} row {p} is neither captured nor published")
+                row = entry[1][p % self.block_size]
+            rows.append(row)
+        return np.stack(rows) if rows else np.empty((0, *ROW_SHAPE), dtype=np.uint8)
+
+    def close(self) -> None:
+        self.requests.clear()
+
+
+def build_reference_connector(setup: SchedulerSetup, capturer: SnapshotCapturer) -> ReferenceWorkerConnector:
+    _, hash_block_size = resolve_kv_cache_block_sizes(setup.kv_cache_config, setup.vllm_config)
+    return ReferenceWorkerConnector(capturer, hash_block_size)
+
+
 # ------------------------------------------------------------------ simulated model runner
 
 
@@ -326,6 +551,7 @@ class _DeviceRequest:
     computed: int  # device view of num_computed_tokens (rejections applied)
     cpu_computed: int  # the scheduler's view, as the input batch carries it
     drafts: list[int] = field(default_factory=list)
+    captured_end: int = 0  # end of the rows the last executed step produced and accepted
 
 
 @dataclass
@@ -345,23 +571,58 @@ class RunStats:
     outputs: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # connector (start, end) per output
     finished_events: Counter = field(default_factory=Counter)  # metadata.finished_requests, per request
     scheduled_after_finish: set[str] = field(default_factory=set)  # re-added after a terminal event
+    # With a KV connector:
+    external_loads: int = 0  # loads the worker completed (sync and async)
+    failed_loads: int = 0  # ... with at least one invalid block
+    poisoned_rows: int = 0  # rows computed while attending to KV of a block whose load failed
+    poisoned_steps: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # request -> poisoned spans
+    dropped_tokens: int = 0  # device tokens the scheduler dropped (stale output of a preempted request)
+    # (request, end of the rows the worker captured, token start the next input batch carried)
+    worker_rollbacks: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+def poison(rows: np.ndarray) -> np.ndarray:
+    """What the model computes at a position whose attention reads KV that failed to load: not the true row."""
+    return ((rows.astype(np.int64) + 1) % NUM_EXPERTS).astype(rows.dtype)
 
 
 class SimModelRunner:
-    """Model Runner V2's behaviour around the aux-output hooks, on synthetic tokens and rows."""
+    """Model Runner V2's behaviour around the aux-output hooks, on synthetic tokens and rows.
+
+    With a KV connector (``kv_worker``, the worker side of ``cpu_harness.kv_connector``)
+    the runner also does what MRV2's ``ActiveKVConnector`` does around the forward:
+    ``handle_preemptions`` and ``bind_connector_metadata`` before it, ``start_load_kv``
+    before it when the step has synchronous loads (else after), then ``wait_for_save``,
+    ``get_transfer_results``, ``get_block_ids_with_load_errors`` and
+    ``clear_connector_metadata``; the result is the step's ``kv_connector_output``, also on
+    steps without scheduled tokens (MRV2's ``no_forward``). Tokens a load brings in are
+    computed tokens the model does not run: no routing row is produced for them (they are
+    before the first scheduled position, like a local prefix hit).
+
+    The runner also keeps a model of its KV: the block table of every request (from the
+    scheduler output) and the set of KV blocks whose content is invalid (a failed load).
+    A row computed at position ``p`` whose attention reads such a block (any block of the
+    request at or before ``p``) is wrong: ``poison(true row)``. Blocks written from their
+    first slot by an unpoisoned computation become valid again; blocks written by a
+    poisoned one become invalid.
+    """
 
     def __init__(self, connector, capturer: SnapshotCapturer, *, num_spec_tokens: int, async_scheduling: bool,
-                 seed: int = 0, accept=None) -> None:
+                 seed: int = 0, accept=None, kv_worker=None, block_size: int = BLOCK_SIZE) -> None:
         self.connector = connector
         self.capturer = capturer
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
+        self.kv_worker = kv_worker
+        self.block_size = block_size
         self.rng = np.random.default_rng(seed)
         # accept(request_id, rng) -> number of leading correct drafts proposed next step.
         self.accept = accept or (lambda request_id, rng: int(rng.integers(0, num_spec_tokens + 1)))
         self.tokens: dict[str, list[int]] = {}  # true tokens (what the device sampled); kept across preemption
         self.states: dict[str, list[bytes]] = {}
         self.device: dict[str, _DeviceRequest] = {}
+        self.block_tables: dict[str, list[int]] = {}  # KV block ids per request, as MRV2's block table
+        self.kv_bad: set[int] = set()  # KV blocks whose content is invalid (failed load)
         self.last_drafts: dict[str, list[int]] = {}
         self.stats = RunStats()
         self.after_output = []  # callbacks(aux_output) run after every process_output
@@ -394,8 +655,12 @@ class SimModelRunner:
             state = advance(state, draft)
         return drafts
 
-    def check_rows(self, outputs) -> None:
-        """Every row the connector returned equals the oracle's row of that position."""
+    def check_rows(self, outputs, poisoned: dict[str, tuple[int, int]] | None = None) -> None:
+        """Every row the connector returned equals the oracle's row of that position.
+
+        ``poisoned``: this step's positions computed over invalid KV, per request; the
+        connector cannot know, so there the rows must equal what the model produced.
+        """
         for request_id, output in (outputs or {}).items():
             rows = np.asarray(output.rows)
             if rows.dtype != np.uint8 or rows.shape[1:] != ROW_SHAPE:
@@ -405,11 +670,115 @@ class SimModelRunner:
             if end > len(states):
                 raise HarnessError(f"{request_id}: rows up to {end}, only {len(states)} tokens exist")
             want = np.stack([row_of(s) for s in states[start:end]]) if end > start else rows
+            span = (poisoned or {}).get(request_id)
+            if span is not None and end > start:
+                lo, hi = max(start, span[0]), min(end, span[1])
+                if lo < hi:
+                    want = want.copy()
+                    want[lo - start: hi - start] = poison(want[lo - start: hi - start])
             if not np.array_equal(rows, want):
                 bad = [start + int(i) for i in np.nonzero((rows != want).reshape(len(rows), -1).any(1))[0]]
                 raise HarnessError(f"{request_id}: rows [{start}, {end}) differ from the oracle at positions {bad}")
             self.stats.rows_checked += rows.shape[0]
             self.stats.outputs.setdefault(request_id, []).append((start, end))
+
+    # -- KV connector (MRV2's ActiveKVConnector around the forward)
+    def _kv_pre_forward(self, so) -> None:
+        if self.kv_worker is None:
+            return
+        metadata = so.kv_connector_metadata
+        if metadata is None:
+            raise HarnessError("the scheduler has a KV connector but sent no kv_connector_metadata")
+        self.kv_worker.handle_preemptions(metadata)
+        self.kv_worker.bind_connector_metadata(metadata)
+        if so.has_sync_kv_loads:
+            self.kv_worker.start_load_kv(None)
+            self._apply_loads()
+
+    def _kv_post_forward(self, so) -> KVConnectorOutput | None:
+        if self.kv_worker is None:
+            return None
+        worker = self.kv_worker
+        if not worker.loads_started:
+            worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(set(so.finished_req_ids))
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving, invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        )
+        worker.clear_connector_metadata()
+        self._apply_loads()
+        return output
+
+    def _apply_loads(self) -> None:
+        """A completed load wrote its blocks: valid KV, or invalid where it failed."""
+        for result in self.kv_worker.take_load_results():
+            self.stats.external_loads += 1
+            self.stats.failed_loads += bool(result.failed)
+            for block_id in result.job.block_ids:
+                if block_id in result.failed:
+                    self.kv_bad.add(block_id)
+                else:
+                    self.kv_bad.discard(block_id)
+
+    def _poison_starts(self, spans: dict[str, tuple[int, int]]) -> dict[str, int]:
+        """First position of each request whose computation this step reads invalid KV."""
+        if not self.kv_bad:
+            return {}
+        bs = self.block_size
+        fresh: dict[int, str] = {}  # blocks written from their first slot this step -> writer
+        for request_id, (start, end) in spans.items():
+            table = self.block_tables[request_id]
+            if (end - 1) // bs >= len(table):
+                raise HarnessError(f"{request_id}: positions up to {end} but {len(table)} KV blocks")
+            for k in range(-(-start // bs), (end - 1) // bs + 1):
+                fresh[table[k]] = request_id
+        poisoned: dict[str, int] = {}
+        for _ in range(8):
+            bad = {b for b in self.kv_bad if b not in fresh} | {b for b, w in fresh.items() if w in poisoned}
+            found = {}
+            for request_id, (start, end) in spans.items():
+                table = self.block_tables[request_id]
+                for k in range((end - 1) // bs + 1):
+                    block_id = table[k]
+                    if block_id in bad and fresh.get(block_id) != request_id:
+                        found[request_id] = max(start, k * bs)
+                        break
+            if found == poisoned:
+                return poisoned
+            poisoned = found
+        raise HarnessError("the invalid-KV model did not settle")
+
+    def _update_kv_validity(self, spans: dict[str, tuple[int, int]], poisoned: dict[str, int]) -> None:
+        bs = self.block_size
+        for request_id, (start, end) in spans.items():
+            table = self.block_tables[request_id]
+            first_bad = poisoned.get(request_id)
+            for k in range(start // bs, (end - 1) // bs + 1):
+                if first_bad is not None and (k + 1) * bs > first_bad:
+                    self.kv_bad.add(table[k])
+                elif start <= k * bs:
+                    self.kv_bad.discard(table[k])
+
+    def follow_rollback(self, request) -> None:
+        """The scheduler rolled a running request back (KV load failure): drop what it dropped.
+
+        vLLM 0.33's scheduler skips the request's output of the step (its sampled tokens)
+        and lowers ``num_computed_tokens``; the device here follows it (see the module
+        docstring: MRV2 0.33 itself only updates its CPU mirror).
+        """
+        request_id = request.request_id
+        dev = self.device.get(request_id)
+        if dev is None:
+            return
+        known = len(request.all_token_ids)
+        tokens = self.tokens[request_id]
+        if tokens[:known] != list(request.all_token_ids):
+            raise HarnessError(f"{request_id}: scheduler tokens differ from the device's at a rollback")
+        del tokens[known:]
+        del self.states.setdefault(request_id, [])[known:]
+        dev.computed = dev.cpu_computed = request.num_computed_tokens
 
     # -- the step
     def execute(self, scheduler_output) -> "_StepHandle":
@@ -417,18 +786,36 @@ class SimModelRunner:
         # MRV2 order: finish / free states, add new (and resumed), update cached, begin_step.
         for request_id in set(so.finished_req_ids) | set(so.preempted_req_ids or ()):
             self.device.pop(request_id, None)
+            self.block_tables.pop(request_id, None)
         for new in so.scheduled_new_reqs:
             known = list(new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids)
             mine = self.tokens.setdefault(new.req_id, [])
             if mine and mine != known:
-                raise HarnessError(f"{new.req_id}: scheduler resumes with {len(known)} tokens, device has {len(mine)}")
+                # With a KV connector that requires KV delivery (kv_role kv_both), a preemption
+                # drops the request's in-flight output: the device sampled tokens the scheduler
+                # never appended.
+                dropped = self.kv_worker is not None and len(known) < len(mine) and mine[: len(known)] == known
+                if not dropped:
+                    raise HarnessError(
+                        f"{new.req_id}: scheduler resumes with {len(known)} tokens, device has {len(mine)}"
+                    )
+                self.stats.dropped_tokens += len(mine) - len(known)
             self.tokens[new.req_id] = known
             self.states.pop(new.req_id, None)
-            self.device[new.req_id] = _DeviceRequest(new.num_computed_tokens, new.num_computed_tokens)
+            self.device[new.req_id] = _DeviceRequest(new.num_computed_tokens, new.num_computed_tokens,
+                                                     captured_end=new.num_computed_tokens)
+            self.block_tables[new.req_id] = list(new.block_ids[0])
             self.stats.prefix_hit_tokens += new.num_computed_tokens
         cached = so.scheduled_cached_reqs
-        for request_id, cpu_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        for request_id, cpu_computed, new_block_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
+        ):
             self.device[request_id].cpu_computed = cpu_computed
+            if new_block_ids is not None:
+                if request_id in cached.resumed_req_ids:
+                    self.block_tables[request_id] = list(new_block_ids[0])
+                else:
+                    self.block_tables[request_id].extend(new_block_ids[0])
         metadata = so.aux_output_connector_metadata
         if metadata is not None:
             self.stats.generations.add(metadata.generation)
@@ -440,11 +827,20 @@ class SimModelRunner:
         for callback in self.after_begin_step:
             callback(metadata)
         self.stats.steps += 1
+        self._kv_pre_forward(so)
         if so.total_num_scheduled_tokens == 0:
             self.stats.empty_steps += 1
-            return _StepHandle(self, None, None)
+            kv_output = self._kv_post_forward(so)
+            output = None if kv_output is None else ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+            return _StepHandle(self, None, output)
 
         order = list(so.num_scheduled_tokens)
+        spans = {}
+        for request_id in order:
+            dev = self.device[request_id]
+            spans[request_id] = (dev.computed, dev.computed + so.num_scheduled_tokens[request_id])
+        poison_starts = self._poison_starts(spans)
+        poisoned_spans: dict[str, tuple[int, int]] = {}
         rows, query_start_loc, cpu_starts, num_sampled, num_rejected, sampled = [], [0], [], [], [], []
         self.last_drafts = {}
         for request_id in order:
@@ -452,6 +848,8 @@ class SimModelRunner:
             real, cpu = dev.computed, dev.cpu_computed
             if real > cpu or (real != cpu and not self.async_scheduling):
                 raise HarnessError(f"{request_id}: device computed {real}, scheduler says {cpu}")
+            if cpu < dev.captured_end:
+                self.stats.worker_rollbacks.append((request_id, dev.captured_end, cpu))
             self.stats.reattached += cpu > real
             tokens, states = self.tokens[request_id], self._states(request_id)
             known = len(tokens)
@@ -467,15 +865,23 @@ class SimModelRunner:
                 drafts = []
             fed = tokens[real: real + n] + drafts
             state = states[real - 1] if real else _ROOT
-            for token in fed:
+            first_bad = poison_starts.get(request_id)
+            for position, token in enumerate(fed, start=real):
                 state = advance(state, token)
-                rows.append(row_of(state))
+                row = row_of(state)
+                if first_bad is not None and position >= first_bad:
+                    row = poison(row)
+                rows.append(row)
+            if first_bad is not None:
+                poisoned_spans[request_id] = (first_bad, real + n)
+                self.stats.poisoned_rows += real + n - first_bad
+                self.stats.poisoned_steps.setdefault(request_id, []).append((first_bad, real + n))
             query_start_loc.append(query_start_loc[-1] + n)
             cpu_starts.append(cpu)
             self.stats.spans.setdefault(request_id, []).append((real, real + n))
             if num_drafts < 0:  # a prefill chunk short of the end: nothing sampled
                 self.stats.chunked_prefill_steps += 1
-                dev.computed = real + n
+                dev.computed = dev.captured_end = real + n
                 num_sampled.append(0)
                 num_rejected.append(0)
                 sampled.append([])
@@ -492,12 +898,14 @@ class SimModelRunner:
             rejected = num_drafts - accepted
             self.stats.drafts_fed += num_drafts
             self.stats.drafts_rejected += rejected
-            dev.computed = real + n - rejected
+            dev.computed = dev.captured_end = real + n - rejected
             dev.drafts = self._propose(request_id)
             self.last_drafts[request_id] = list(dev.drafts)
             num_sampled.append(len(new_tokens))
             num_rejected.append(rejected)
             sampled.append(new_tokens)
+        if self.kv_worker is not None:
+            self._update_kv_validity(spans, poison_starts)
 
         self.capturer.next_snapshot = torch.from_numpy(np.stack(rows))
         input_batch = SimpleNamespace(
@@ -511,7 +919,8 @@ class SimModelRunner:
         output = ModelRunnerOutput(
             req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)}, sampled_token_ids=sampled
         )
-        return _StepHandle(self, pending, output)
+        output.kv_connector_output = self._kv_post_forward(so)
+        return _StepHandle(self, pending, output, poisoned_spans)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         if not self.last_drafts:
@@ -521,8 +930,9 @@ class SimModelRunner:
 
 
 class _StepHandle:
-    def __init__(self, runner: SimModelRunner, pending, output) -> None:
+    def __init__(self, runner: SimModelRunner, pending, output, poisoned=None) -> None:
         self.runner, self.pending, self.output = runner, pending, output
+        self.poisoned = poisoned or {}
 
     def get_output(self) -> ModelRunnerOutput:
         """The output thread: ``process_output`` after the copy, then the row checks."""
@@ -530,7 +940,7 @@ class _StepHandle:
             return EMPTY_MODEL_RUNNER_OUTPUT
         if self.pending is not None:
             aux = self.pending.process_output()
-            self.runner.check_rows(aux)
+            self.runner.check_rows(aux, self.poisoned)
             self.output.aux_output_connector_output = aux
             for callback in self.runner.after_output:
                 callback(aux)
@@ -581,6 +991,19 @@ class RetainedPins:
 # ------------------------------------------------------------------ engine loop
 
 
+@dataclass
+class RollbackEvent:
+    """One call of the scheduler's ``_handle_invalid_blocks`` (the worker reported invalid blocks)."""
+
+    engine_step: int
+    invalid_block_ids: set[int]
+    skipped: set[str]  # running requests whose output of this step the scheduler dropped
+    scheduled: dict[str, int]  # the step's num_scheduled_tokens
+    changed: dict[str, tuple[int, int]]  # request -> (num_computed_tokens before, after)
+    running: set[str]  # which of the watched requests were running (the rest were loading async)
+    hashes_sent: dict[str, int]  # block hashes the aux-output connector had sent to the worker, per request
+
+
 class SimEngine:
     """``EngineCore.step`` / ``step_with_batch_queue`` over the real scheduler and the simulated runner."""
 
@@ -590,14 +1013,51 @@ class SimEngine:
         self.capturer = connector._capturer
         self.connector = connector
         self.runner = SimModelRunner(connector, self.capturer, num_spec_tokens=setup.num_spec_tokens,
-                                     async_scheduling=setup.async_scheduling, seed=seed, accept=accept)
+                                     async_scheduling=setup.async_scheduling, seed=seed, accept=accept,
+                                     kv_worker=setup.kv_worker, block_size=setup.block_size)
         self.batch_queue: deque = deque()
         self.batch_queue_size = setup.vllm_config.max_concurrent_batches
         self.requests: dict[str, Request] = {}
         self.chunks: dict[str, list[np.ndarray]] = {}
         self.finished: dict[str, str] = {}
+        self.finish_order: list[str] = []  # request ids in the order their finish reached the client
         self.aborted: set[str] = set()
         self.num_preemptions = Counter()
+        self.engine_steps = 0  # step() calls that did something (schedule and/or consume an output)
+        # KV load failures the scheduler handled (recompute policy), as observed around its
+        # _handle_invalid_blocks; the runner follows the running requests it rolled back.
+        self.rollbacks: list[RollbackEvent] = []
+        self._new_rollbacks: list[RollbackEvent] = []
+        if self.scheduler.connector is not None:
+            self._observe_invalid_blocks()
+
+    def _observe_invalid_blocks(self) -> None:
+        """Record what vLLM's own ``_handle_invalid_blocks`` does (it still does all of it)."""
+        scheduler = self.scheduler
+        handle_invalid_blocks = scheduler._handle_invalid_blocks
+
+        def observed(invalid_block_ids, num_scheduled_tokens):
+            watched = list(scheduler.running) + [
+                r for r in scheduler.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ]
+            before = {r.request_id: (r.num_computed_tokens, r.status) for r in watched}
+            sent = dict(scheduler.aux_output_connector._sent_hash_counts)
+            skipped = handle_invalid_blocks(invalid_block_ids, num_scheduled_tokens)
+            event = RollbackEvent(
+                engine_step=self.engine_steps, invalid_block_ids=set(invalid_block_ids), skipped=set(skipped),
+                scheduled=dict(num_scheduled_tokens),
+                changed={
+                    r.request_id: (before[r.request_id][0], r.num_computed_tokens)
+                    for r in watched if r.num_computed_tokens != before[r.request_id][0]
+                },
+                running={r.request_id for r in watched if before[r.request_id][1] == RequestStatus.RUNNING},
+                hashes_sent={r.request_id: sent.get(r.request_id, 0) for r in watched},
+            )
+            self.rollbacks.append(event)
+            self._new_rollbacks.append(event)
+            return skipped
+
+        scheduler._handle_invalid_blocks = observed
 
     @property
     def stats(self) -> RunStats:
@@ -619,11 +1079,24 @@ class SimEngine:
                     self.chunks[output.request_id].append(np.asarray(output.routed_experts))
                 if output.finish_reason is not None:
                     self.finished[output.request_id] = str(output.finish_reason)
+                    self.finish_order.append(output.request_id)
 
     def _update(self, scheduler_output, model_output) -> None:
         self._collect(self.scheduler.update_from_output(scheduler_output, model_output))
-        for request_id, request in self.requests.items():
-            self.num_preemptions[request_id] = request.num_preemptions
+        for request_id in (*scheduler_output.num_scheduled_tokens, *(scheduler_output.preempted_req_ids or ())):
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.num_preemptions[request_id] = request.num_preemptions
+        events, self._new_rollbacks = self._new_rollbacks, []
+        for event in events:
+            rolled_back = [r for r in event.running if r in event.changed or r in event.skipped]
+            if rolled_back and self.setup.async_scheduling:
+                raise HarnessError(
+                    f"KV load failure rolled back running requests {sorted(rolled_back)} under async scheduling: "
+                    f"the simulated device does not model it (steps in flight ran on the dropped tokens)"
+                )
+            for request_id in rolled_back:
+                self.runner.follow_rollback(self.scheduler.requests[request_id])
 
     def step(self) -> bool:
         """One engine-core step; False once there is nothing left to do."""
@@ -632,12 +1105,14 @@ class SimEngine:
                 return False
             so = self.scheduler.schedule()
             handle = self.runner.execute(so)
+            self.engine_steps += 1
             self._update(so, handle.get_output())
-            if so.total_num_scheduled_tokens > 0:  # EngineCore.post_step
+            if so.total_num_scheduled_tokens > 0 and self.setup.num_spec_tokens > 0:  # EngineCore.post_step
                 drafts = self.runner.take_draft_token_ids()
                 if drafts is not None:
                     self.scheduler.update_draft_token_ids(drafts)
             return True
+        self.engine_steps += 1
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
             handle = self.runner.execute(so)
@@ -646,6 +1121,7 @@ class SimEngine:
             if len(self.batch_queue) < self.batch_queue_size and (executed or self.scheduler.has_requests()):
                 return True
         elif not self.batch_queue:
+            self.engine_steps -= 1
             return False
         handle, so = self.batch_queue.pop()
         self._update(so, handle.get_output())
