@@ -705,6 +705,9 @@ class CacheMachine(RuleBasedStateMachine):
                 h = r.hashes[r.first_block + offset]
                 del self.index[h]
                 self._unpin([h])
+                for other in self.live.values():  # readers of those rows lose them (fail closed)
+                    if h in other.hashes[: other.given]:
+                        other.hit_pinned = False
         r.num_settled = min(r.num_settled, partial)
         keep = -(-max(0, position - own_start) // ps)
         r.own = [s if i < r.num_settled else None for i, s in enumerate(r.own[:keep])]
