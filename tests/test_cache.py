@@ -10,6 +10,7 @@ import hashlib
 import pytest
 import torch
 from conftest import TEST_DEVICE
+from test_cache_inputs import UnconvertibleRows
 
 from routed_experts_cache.connector import (
     CacheFullError,
@@ -945,20 +946,13 @@ def test_a_source_with_a_storage_offset_is_stored_exactly_never_stale_rows(make_
 
 
 def test_a_failed_conversion_is_typed_and_changes_nothing(make_cache):
-    class OutOfMemoryOnCopy(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in ("to", "contiguous", "clone", "cat"):
-                raise torch.OutOfMemoryError("simulated")
-            return super().__torch_function__(func, types, args, kwargs or {})
-
     cache = make_cache(2, page_size=4, row_shape=(2, 2))
     cache.capture("r", 0, torch.full((1, 2, 2), 1))
     cache.add_block_hashes("r", [b"r0"])
     before = cache.stats(), cache.page_states(), cache.pages.clone()
     for call in (
-        lambda: cache.capture_from(torch.ones(4, 2, 2, dtype=torch.int64).as_subclass(OutOfMemoryOnCopy), [("r", 1, 0, 3)]),
-        lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64).as_subclass(OutOfMemoryOnCopy)),
+        lambda: cache.capture_from(torch.ones(4, 2, 2, dtype=torch.int64).as_subclass(UnconvertibleRows), [("r", 1, 0, 3)]),
+        lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64).as_subclass(UnconvertibleRows)),
         lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64, device="meta")),
     ):
         with pytest.raises(InvalidCaptureError):
