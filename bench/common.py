@@ -31,7 +31,15 @@ def results_dir(device: torch.device) -> Path:
 
 def save_csv(rows: list[dict], name: str, device: torch.device) -> Path:
     """Write ``rows`` to ``<results dir>/<name>`` and say where."""
-    path = results_dir(device) / name
+    return save_csv_to(rows, name, results_dir(device))
+
+
+def save_csv_to(rows: list[dict], name: str, folder: Path | None) -> Path:
+    """Write ``rows`` to ``folder/name`` (default: this machine's results folder)."""
+    if folder is None:
+        folder = results_dir(torch.device("cpu"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

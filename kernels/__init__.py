@@ -16,10 +16,10 @@ def load_triton_copy():
 
 
 def precompile_triton_copy(words) -> None:
-    """Compile the Triton copy for rows like ``words`` (``[R, W]`` word view) at every depth."""
-    from .segment_copy import compile_search_depths
+    """Compile the Triton copy for rows like ``words`` (``[R, W]`` word view)."""
+    from .segment_copy import precompile
 
-    compile_search_depths(words)
+    precompile(words)
 
 
 __all__ = ["as_row_words", "copy_segments_torch", "interpreting", "load_triton_copy", "precompile_triton_copy"]

@@ -9,10 +9,12 @@ from math import prod
 
 import torch
 
-# The interpreter costs about 1 ms per program instance: give each program many rows.
+# Words one program moves per loop iteration, compiled: 16 words (four 16-byte accesses) per
+# thread of 4 warps. The interpreter costs about 1 ms per program instance and per operation:
+# it gives each program many segments at once instead.
+_COMPILED_BLOCK_WORDS = 1 << 11
 _INTERPRETED_TILE_WORDS = 1 << 17
-_COMPILED_TILE_WORDS = 1 << 12
-MAX_WORD_BLOCK = 256
+_INTERPRETED_ROWS_PER_SEGMENT = 16  # vLLM's usual block: most segments copy in one iteration
 
 
 def as_row_words(rows: torch.Tensor) -> torch.Tensor:
@@ -29,21 +31,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def tile_shape(num_rows: int, row_words: int) -> tuple[int, int]:
-    """(rows per program, words per column block) for a launch over ``num_rows`` rows.
+def tile_shape(num_segments: int, row_words: int) -> tuple[int, int]:
+    """(segments per program, words per loop iteration) for a launch over ``num_segments``.
 
-    Compiled, the tile depends only on the row width, so a serving process compiles one
-    variant per row shape instead of one per batch size; the interpreter has no compile cost
-    and shrinks the tile to the batch instead.
+    Compiled, a program copies one segment and the tile depends only on the row width, so a
+    serving process compiles one variant per row shape; the interpreter has no compile cost
+    and packs many segments into each program instead.
     """
-    word_block = min(MAX_WORD_BLOCK, 1 << max(0, row_words - 1).bit_length())
+    row_block = 1 << max(0, row_words - 1).bit_length()
     if not interpreting():
-        return max(1, _COMPILED_TILE_WORDS // word_block), word_block
-    rows_per_program = max(1, _INTERPRETED_TILE_WORDS // word_block)
-    return min(rows_per_program, 1 << max(0, num_rows - 1).bit_length()), word_block
-
-
-def search_steps(num_segments: int) -> int:
-    """Binary-search iterations for ``num_segments`` segments, rounded up to a multiple of 4
-    (extra iterations are no-ops) so that few kernel variants get compiled."""
-    return max(4, -(-num_segments.bit_length() // 4) * 4)
+        return 1, max(_COMPILED_BLOCK_WORDS, row_block)
+    block_words = row_block * _INTERPRETED_ROWS_PER_SEGMENT
+    segments = max(1, _INTERPRETED_TILE_WORDS // block_words)
+    return min(segments, 1 << max(0, num_segments - 1).bit_length()), block_words

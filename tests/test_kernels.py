@@ -26,7 +26,7 @@ from routed_experts_cache.kernels import (
     load_triton_copy,
     precompile_triton_copy,
 )
-from routed_experts_cache.kernels.rows import MAX_WORD_BLOCK, search_steps, tile_shape
+from routed_experts_cache.kernels.rows import tile_shape
 from routed_experts_cache.kernels.segment_copy import copy_segments
 
 PAGE = 8
@@ -161,29 +161,21 @@ def test_as_row_words_is_a_writable_view_of_the_widest_word(dtype, row_shape, wo
     assert int(rows[[0, 1, 3, 4]].view(torch.uint8).sum()) == 0
 
 
-def test_tile_shape_rows_per_program_is_a_power_of_two_covering_the_words():
-    for num_rows in (1, 2, 3, 7, 600, 1 << 17, (1 << 17) + 1):
+def test_tile_shape_is_a_power_of_two_covering_a_row():
+    for num_segments in (1, 2, 3, 7, 600, 1 << 17, (1 << 17) + 1):
         for row_words in (1, 3, 122, 256, 488):
-            rows_per_program, word_block = tile_shape(num_rows, row_words)
-            assert rows_per_program & (rows_per_program - 1) == 0
-            assert word_block & (word_block - 1) == 0
-            assert word_block >= min(row_words, MAX_WORD_BLOCK)
-            assert rows_per_program >= 1
+            segments_per_program, block_words = tile_shape(num_segments, row_words)
+            assert segments_per_program & (segments_per_program - 1) == 0
+            assert block_words & (block_words - 1) == 0
+            assert block_words >= row_words and segments_per_program >= 1
 
 
-def test_compiled_tile_depends_only_on_the_row_width(monkeypatch):
+def test_compiled_tile_is_one_segment_per_program_and_depends_only_on_the_row_width(monkeypatch):
     """One compiled kernel variant per row shape, whatever the batch size."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for row_words in (1, 96, 122, 240):
-        assert len({tile_shape(num_rows, row_words) for num_rows in (1, 5, 643, 1 << 20)}) == 1
-
-
-def test_search_steps_cover_every_segment_count_with_few_variants():
-    counts = list(range(1, 5000)) + [1 << 20, (1 << 20) + 1]
-    for n in counts:
-        steps = search_steps(n)
-        assert (1 << steps) > n and steps % 4 == 0  # enough halvings to isolate any of n segments
-    assert len({search_steps(n) for n in counts}) <= 5
+    for row_words in (1, 96, 122, 240, 4000):
+        shapes = {tile_shape(num_segments, row_words) for num_segments in (1, 5, 643, 1 << 20)}
+        assert len(shapes) == 1 and next(iter(shapes))[0] == 1
 
 
 @pytest.mark.parametrize("pattern", sorted(RUN_PATTERNS) + ["many_intervals"])
@@ -229,49 +221,50 @@ def test_empty_batch_changes_nothing(direction, dtype):
         assert torch.equal(target, before)
 
 
-def _multi_program_case(gen, row_shape, dtype, num_segments, max_len, direction):
+def _multi_program_case(gen, row_shape, dtype, num_segments, max_len, direction, page=PAGE):
     num_pages = num_segments if direction == "scatter" else 64
     runs = []
     for s in range(num_segments):
-        page = s if direction == "scatter" else int(torch.randint(0, num_pages, (), generator=gen))
+        index = s if direction == "scatter" else int(torch.randint(0, num_pages, (), generator=gen))
         first = int(torch.randint(0, 3, (), generator=gen))
         length = int(torch.randint(1, max_len + 1, (), generator=gen))
-        runs.append((page, first, min(PAGE, first + length)))
-    pool = random_rows(gen, num_pages * PAGE, row_shape, dtype)
+        runs.append((index, first, min(page, first + length)))
+    pool = random_rows(gen, num_pages * page, row_shape, dtype)
     if direction == "gather":
-        segments, total = gather_segments(runs, PAGE)
+        segments, total = gather_segments(runs, page)
         return pool, random_rows(gen, total, row_shape, dtype), segments, total
-    segments, source_rows = scatter_segments(runs, PAGE, gen)
+    segments, source_rows = scatter_segments(runs, page, gen)
     return random_rows(gen, source_rows, row_shape, dtype), pool, segments, sum(n for _, _, n in segments)
 
 
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
-def test_launch_with_more_than_one_program_and_two_word_blocks(direction):
-    # int32 rows of 61 x 8 = 488 words: two column blocks (the second one masked) and
-    # 2**17 / 256 = 512 rows per program under the interpreter, so ~1100 rows need 3 programs.
+def test_launch_with_more_than_one_program_and_segments_longer_than_a_block(direction):
+    # int32 rows of 61 x 8 = 488 words; segments of up to 40 rows (19520 words) take several
+    # loop iterations of a program; 300 segments need several programs.
     gen = torch.Generator().manual_seed(11)
     row_shape, dtype = (61, 8), torch.int32
-    source, target, segments, total = _multi_program_case(gen, row_shape, dtype, 260, PAGE, direction)
-    rows_per_program, word_block = tile_shape(total, 61 * 8)
-    assert word_block < 61 * 8
-    assert triton.cdiv(total, rows_per_program) >= 2
+    page = 40
+    source, target, segments, total = _multi_program_case(gen, row_shape, dtype, 300, page, direction, page)
+    segments_per_program, block_words = tile_shape(len(segments), 61 * 8)
+    assert max(n for _, _, n in segments) * 61 * 8 > 2 * block_words
+    assert triton.cdiv(len(segments), segments_per_program) >= 2
     expected, twin, tri = run_all_three(source, target, segments, gather=direction == "gather")
     assert_same(expected, twin, tri)
 
 
 def test_launch_with_more_than_one_program_of_one_word_rows():
-    # one int32 word per row (uint8 rows of 2 x 2): 2**17 rows per program under the interpreter
+    # one int32 word per row (uint8 rows of 2 x 2)
     gen = torch.Generator().manual_seed(12)
     row_shape, dtype = (2, 2), torch.uint8
     source, target, segments, total = _multi_program_case(gen, row_shape, dtype, 33000, PAGE, "scatter")
-    rows_per_program, _ = tile_shape(total, 1)
-    assert triton.cdiv(total, rows_per_program) >= 2
+    segments_per_program, _ = tile_shape(len(segments), 1)
+    assert triton.cdiv(len(segments), segments_per_program) >= 2
     expected, twin, tri = run_all_three(source, target, segments, gather=False)
     assert_same(expected, twin, tri)
 
 
 @pytest.mark.parametrize("row_shape, dtype", [((48, 8), torch.uint8), ((3, 1), torch.uint16)], ids=str)
-def test_precompiling_every_search_depth_leaves_rows_unchanged(row_shape, dtype):
+def test_precompiling_leaves_rows_unchanged(row_shape, dtype):
     gen = torch.Generator().manual_seed(5)
     rows = random_rows(gen, 3 * PAGE, row_shape, dtype).to(TEST_DEVICE)
     before = rows.clone()
@@ -291,5 +284,5 @@ def test_compiled_kernel_does_not_specialize_on_per_step_sizes_or_descriptor_off
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
     sizes, offsets = out.splitlines()
-    assert sizes == str(["num_segments", "total_rows"])
+    assert sizes == str(["num_segments"])
     assert offsets == str(["seg_source_row_ptr", "seg_start_ptr", "seg_target_row_ptr"])
