@@ -11,8 +11,8 @@ precomputed per-row index, the torch twin (the same copy from the same segment d
 the cache's torch backend runs it) on CUDA, and a contiguous device copy of the same bytes.
 Bandwidth counts bytes read + written. On CUDA "ours" is the Triton kernel; on CPU it is the
 torch twin (the CPU path) and every row is labelled so.
-``--sweep`` (CUDA) also times the kernel over rows per program and warps for the decode and
-bulk gathers, to choose the compiled tile (``kernels_sweep.csv``).
+``--sweep`` (CUDA) also times the kernel over words per loop iteration and warps for the decode
+and bulk gathers, to choose the compiled tile (``kernels_sweep.csv``).
 """
 
 import argparse
@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_label, print_table, save_csv, time_call, time_call_graph  # noqa: E402
 from routed_experts_cache.kernels import as_row_words, copy_segments_torch, load_triton_copy  # noqa: E402
-from routed_experts_cache.kernels.rows import search_steps, tile_shape  # noqa: E402
+from routed_experts_cache.kernels.rows import tile_shape  # noqa: E402
 
 PAGE = 16
 ROW_SPECS = {"qwen3-30b-a3b": ((48, 8), torch.uint8), "deepseek-v3": ((61, 8), torch.uint8), "kimi-k2": ((60, 8), torch.uint16)}
@@ -116,7 +116,7 @@ def run(device: torch.device, quick: bool) -> list[dict]:
 
 
 def sweep_tiles(device: torch.device, workloads=("decode", "prefill", f"rows-{2**20}")) -> list[dict]:
-    """Time the compiled gather over rows per program x warps (Qwen3 rows)."""
+    """Time the compiled gather over words per loop iteration x warps (Qwen3 rows)."""
     from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel
 
     generator = torch.Generator().manual_seed(1)
@@ -130,25 +130,26 @@ def sweep_tiles(device: torch.device, workloads=("decode", "prefill", f"rows-{2*
         packed = torch.empty((total, pool_words.shape[1]), dtype=pool_words.dtype, device=device)
         expected = torch.empty_like(packed)
         copy_segments_torch(pool_words, expected, seg_start, seg_pool_row, seg_start[:-1], total)
-        default_rows, word_block = tile_shape(total, pool_words.shape[1])
-        for rows_per_program in (4, 8, 16, 32, 64, 128):
+        num_segments = seg_pool_row.shape[0]
+        _, default_block = tile_shape(num_segments, pool_words.shape[1])
+        for block_words in (512, 1024, 2048, 4096):
             for num_warps in (1, 2, 4, 8):
                 def launch():
-                    _segment_copy_kernel[(triton.cdiv(total, rows_per_program),)](
-                        pool_words, packed, seg_start, seg_pool_row, seg_start[:-1], seg_pool_row.shape[0], total,
-                        ROW_WORDS=pool_words.shape[1], ROWS=rows_per_program, WORDS=word_block,
-                        SEARCH_STEPS=search_steps(seg_pool_row.shape[0]), num_warps=num_warps,
+                    _segment_copy_kernel[(num_segments,)](
+                        pool_words, packed, seg_start, seg_pool_row, seg_start[:-1], num_segments,
+                        ROW_WORDS=pool_words.shape[1], SEGMENTS=1, BLOCK_WORDS=block_words,
+                        num_warps=num_warps, num_stages=1,
                     )
 
                 packed.zero_()
                 launch()
                 if not torch.equal(packed, expected):
-                    raise RuntimeError(f"sweep gather wrong: {workload} rows {rows_per_program} warps {num_warps}")
+                    raise RuntimeError(f"sweep gather wrong: {workload} block {block_words} warps {num_warps}")
                 seconds = time_call(launch, device)
                 results.append({
                     "device": machine_label(device), "workload": workload, "total_rows": total,
-                    "rows_per_program": rows_per_program, "num_warps": num_warps,
-                    "default_tile": rows_per_program == default_rows and num_warps == 4,
+                    "block_words": block_words, "num_warps": num_warps,
+                    "default_tile": block_words == default_block and num_warps == 4,
                     "us": seconds * 1e6, "GBps": 2 * total * pool_words.shape[1] * 4 / seconds / 1e9,
                 })
         print(f"  sweep {workload} rows={total}", flush=True)
@@ -215,7 +216,7 @@ def main() -> None:
         for workload in dict.fromkeys(r["workload"] for r in sweep):
             rows = [r for r in sweep if r["workload"] == workload]
             best, default = min(rows, key=lambda r: r["us"]), next(r for r in rows if r["default_tile"])
-            print(f"sweep {workload}: best {best['rows_per_program']} rows x {best['num_warps']} warps "
+            print(f"sweep {workload}: best {best['block_words']} words x {best['num_warps']} warps "
                   f"{best['us']:.2f} us; default {default['us']:.2f} us")
         save_csv(sweep, "kernels_sweep.csv", device)
 

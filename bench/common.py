@@ -20,11 +20,14 @@ def machine_label(device: torch.device) -> str:
 
 
 def results_dir(device: torch.device) -> Path:
-    """``$OUT`` when set (the GPU machine), else ``bench/results/<date>-<machine>/``."""
+    """``$OUT`` when set (the GPU machine, ``bench/run_*.sh``), else a new folder
+    ``bench/results/<date>T<time>-<machine>/``: a run never overwrites committed results."""
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"])
     else:
-        path = RESULTS / f"{datetime.date.today().isoformat()}-{machine_label(device)}"
+        stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+        path = RESULTS / f"{stamp}-{machine_label(device)}"
+        os.environ["OUT"] = str(path)  # one folder for everything this process writes
     path.mkdir(parents=True, exist_ok=True)
     return path
 

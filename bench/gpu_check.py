@@ -151,7 +151,7 @@ def main() -> None:
     device = torch.device("cuda")
     print(f"GPU check on {torch.cuda.get_device_name(device)}", flush=True)
     before = compiled_variants()
-    RoutedExpertsCache(8, 16, (48, 8), device=device, backend="triton")  # precompiles every search depth
+    RoutedExpertsCache(8, 16, (48, 8), device=device, backend="triton")  # precompiles its row width
     precompiled = compiled_variants() - before
     reads = differential_workload(device)
     print(f"differential workload triton/cuda vs torch/cpu: {reads} reads equal", flush=True)

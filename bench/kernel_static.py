@@ -23,11 +23,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
+os.environ.pop("TRITON_INTERPRET", None)  # real compiles: set before triton is imported, it replaces the kernel
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.pop("TRITON_INTERPRET", None)  # real compiles (the interpreter would replace the kernel)
 
 from bench.common import print_table, save_csv_to  # noqa: E402
 from routed_experts_cache.kernels.rows import tile_shape  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> None:
             try:
                 compiled, row_words, block_words = compile_variant(row_bytes, arch)
             except Exception as error:  # any compile failure fails the run, after the others are tried
-                failures.append(f"sm_{arch} {name}: compile error: {error}")
+                failures.append(f"sm_{arch} {name}: compile error: {error!r}")
                 continue
             resources = ptxas_resources(compiled.asm["ptx"], arch)
             lines = sass_lines(compiled.asm["cubin"])

@@ -14,17 +14,23 @@ page is in exactly one state:
   pins a page no one will read. A published page whose key has no pin is in ``_evictable``,
   whose order is the eviction order (oldest first).
 
-Reads walk the block map, so published, pending and tail blocks are one lookup. Host work is
-O(blocks) per call; rows move on the device with one scatter per capture call and one gather
-per read call.
+Reads walk the block map, so published, pending and tail blocks are one lookup. Rows move on
+the device with one scatter per capture call and one gather per read call.
+
+Every request also has a slot: its cursor and first captured block live in slot-indexed arrays,
+and a block table ``[slots, blocks]`` mirrors its own pages. The batched calls an engine makes
+every step (``capture_batch``, ``read_batch``) work on those arrays with a constant number of
+numpy operations; Python runs only per new page, per completed block and for the rare spans
+the arrays do not cover (first captures, prefix reads), which take the per-request path.
 """
 
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from math import prod
 
+import numpy as np
 import torch
 
 from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
@@ -37,13 +43,15 @@ _INTEGER_DTYPES = (
 
 
 class _Request:
-    __slots__ = ("hashes", "first_block", "own_pages", "cursor", "num_settled")
+    """A request's block map; its cursor (next position to capture) is ``cache._cursor[slot]``."""
+
+    __slots__ = ("slot", "hashes", "first_block", "own_pages", "num_settled")
 
     def __init__(self) -> None:
+        self.slot = -1  # index into the cache's slot arrays once registered
         self.hashes: list[bytes] = []  # block i <-> hashes[i]
         self.first_block: int | None = None  # first block captured by the request itself
         self.own_pages: list[int] = []  # pages of blocks first_block, first_block + 1, ...
-        self.cursor = 0  # next position to capture
         self.num_settled = 0  # own full blocks already published (or found duplicate)
 
     def own_start(self, page_size: int) -> int:
@@ -68,6 +76,19 @@ def _as_list(values, what: str, error: type[RoutedExpertsCacheError] = InvalidCa
     if isinstance(values, (bytes, bytearray, str, torch.Tensor)) or not isinstance(values, Iterable):
         raise error(f"{what} must be a sequence (a list or another iterable), got {type(values).__name__}")
     return list(values)
+
+
+def _index_array(values, what: str, length: int, error: type[RoutedExpertsCacheError] = RoutedExpertsCacheError) -> np.ndarray:
+    """A 1-D int64 array of ``length`` integers (numpy, torch CPU or a sequence of ints)."""
+    try:
+        array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise error(f"{what} must be integers, got {type(values).__name__}: {exc}") from exc
+    if array.dtype.kind not in "iu" or array.shape != (length,):
+        raise error(f"{what} must be {length} integers, got {array.dtype} of shape {array.shape}")
+    if array.dtype == np.uint64 and length and array.max() > np.iinfo(np.int64).max:
+        raise error(f"{what} must fit int64, got {array.max()}")
+    return array.astype(np.int64, copy=False)
 
 
 def _check_hashes(hashes: list, what: str) -> None:
@@ -139,6 +160,45 @@ class RoutedExpertsCache:
         self._evictable: OrderedDict[bytes, None] = OrderedDict()
         self._requests: dict[object, _Request] = {}
         self._counters = Counter()
+        self._slot_of: dict[object, int] = {}
+        self._slot_requests: list[_Request | None] = []
+        self._free_slots: list[int] = []
+        self._cursor = np.zeros(16, dtype=np.int64)  # per slot: next position to capture
+        self._first_block = np.full(16, -1, dtype=np.int64)  # per slot: first own block, -1 before
+        self._table = np.full((16, 16), -1, dtype=np.int64)  # per slot and block: own page
+        self._slot_ids = np.full(16, None, dtype=object)  # per slot: its request id (checks given slots)
+
+    def _register(self, request_id, request: _Request) -> None:
+        """Give a new request a slot (all bookkeeping arrays grow by doubling)."""
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = len(self._slot_requests)
+            self._slot_requests.append(None)
+            if slot == len(self._cursor):
+                self._cursor = np.concatenate([self._cursor, np.zeros_like(self._cursor)])
+                self._first_block = np.concatenate([self._first_block, np.full_like(self._first_block, -1)])
+                self._table = np.concatenate([self._table, np.full_like(self._table, -1)])
+                self._slot_ids = np.concatenate([self._slot_ids, np.full_like(self._slot_ids, None)])
+        request.slot = slot
+        self._slot_of[request_id] = slot
+        self._slot_requests[slot] = request
+        self._slot_ids[slot] = request_id
+        self._cursor[slot] = 0
+        self._first_block[slot] = -1 if request.first_block is None else request.first_block
+        self._requests[request_id] = request
+
+    def _cursor_of(self, request: _Request) -> int:
+        return int(self._cursor[request.slot]) if request.slot >= 0 else 0
+
+    def _set_table(self, slots, blocks, pages) -> None:
+        """Mirror own pages into the block table (``table[slots, blocks] = pages``), widening it."""
+        width = int(np.max(blocks)) + 1
+        if width > self._table.shape[1]:
+            grown = np.full((self._table.shape[0], 1 << (width - 1).bit_length()), -1, dtype=np.int64)
+            grown[:, : self._table.shape[1]] = self._table
+            self._table = grown
+        self._table[slots, blocks] = pages
 
     # ----------------------------------------------------------------- capture
 
@@ -175,6 +235,87 @@ class RoutedExpertsCache:
         if plans:
             self._write(plans, num_new_pages, self._source_words([source]))
 
+    # ------------------------------------------------- batched calls (engine steps)
+
+    def slots(self, request_ids: Sequence) -> np.ndarray:
+        """The slot of each request, registering unknown ones (as ``add_block_hashes(id, [])``).
+
+        Slots can be handed to ``capture_batch`` and ``read_batch`` to skip their lookup; one
+        stays valid until its request is finished or the cache reset.
+        """
+        request_ids = _as_list(request_ids, "request ids", RoutedExpertsCacheError)
+        slots = self._lookup_slots(request_ids)
+        for i in np.flatnonzero(slots < 0).tolist():
+            if request_ids[i] not in self._slot_of:  # an id listed twice is registered once
+                self._register(request_ids[i], _Request())
+            slots[i] = self._slot_of[request_ids[i]]
+        return slots
+
+    def _lookup_slots(self, request_ids: list) -> np.ndarray:
+        """Slots of known requests, -1 for unknown ones; ids of the wrong type are refused."""
+        if not set(map(type, request_ids)) <= {str, int}:
+            for request_id in request_ids:
+                _check_request_id(request_id)
+        return np.fromiter(map(self._slot_of.get, request_ids, repeat(-1)), dtype=np.int64, count=len(request_ids))
+
+    def _batch_slots(self, request_ids: list, slots) -> np.ndarray:
+        """Given slots are checked against the ids (a stale slot must never read another's rows)."""
+        if slots is None:
+            return self._lookup_slots(request_ids)
+        slots = _index_array(slots, "slots", len(request_ids))
+        if len(slots) and (slots.min() < 0 or slots.max() >= len(self._slot_requests)):
+            raise RoutedExpertsCacheError(f"slots must come from slots(); got values outside [0, {len(self._slot_requests)})")
+        ids = np.empty(len(request_ids), dtype=object)
+        ids[:] = request_ids
+        wrong = np.flatnonzero(self._slot_ids[slots] != ids)
+        if len(wrong):
+            i = wrong[0]
+            raise RoutedExpertsCacheError(
+                f"slot {slots[i]} does not belong to request {request_ids[i]!r} (slots stay valid until "
+                f"their request finishes or the cache is reset)"
+            )
+        return slots
+
+    def capture_batch(self, source: torch.Tensor, request_ids: Sequence, starts, source_starts, counts, slots=None) -> None:
+        """``capture_from(source, zip(request_ids, starts, source_starts, counts))`` with arrays.
+
+        The form an engine step uses: spans that continue a request's captured rows are
+        planned, copied and committed with array operations over the batch; the others (first
+        captures, a request listed twice, invalid spans) take ``capture_from``'s checks, and
+        the whole call is still one scatter that either happens completely or not at all.
+        """
+        request_ids = _as_list(request_ids, "capture request ids")
+        self._check_rows("<batch>", source)
+        slots = self._batch_slots(request_ids, slots)
+        n = len(request_ids)
+        starts, source_starts, counts = (
+            _index_array(values, name, n, InvalidCaptureError)
+            for values, name in ((starts, "starts"), (source_starts, "source starts"), (counts, "counts"))
+        )
+        size, ends = self.page_size, starts + counts
+        valid = (starts >= 0) & (source_starts >= 0) & (counts >= 0) & (source_starts + counts <= source.shape[0])
+        active = counts != 0
+        known = slots >= 0
+        continuing = valid & active & known & (self._first_block[slots] >= 0) & (starts == self._cursor[slots])
+        if continuing.any():
+            listed = np.bincount(slots[active & known], minlength=len(self._slot_requests))
+            continuing &= listed[slots] == 1
+        others = np.flatnonzero(~continuing & (active | ~valid)).tolist()
+        spans = [(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in others]
+        plans, num_new_pages = self._plan_captures(source.shape[0], spans)
+        if not self._fits_pool_dtype(source):
+            self._check_values(source, [
+                (request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in np.flatnonzero(active).tolist()
+            ])
+        batch = None
+        if continuing.any():
+            pick = np.flatnonzero(continuing)
+            starts, ends = starts[pick], ends[pick]
+            new_pages = -(-ends // size) + (-starts // size)  # blocks begun past the cursor
+            batch = (slots[pick], starts, source_starts[pick], counts[pick], new_pages)
+        if plans or batch is not None:
+            self._write(plans, num_new_pages, self._source_words([source]), batch)
+
     def _source_words(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """The rows to copy, on the pool's device in its dtype, as aligned contiguous words.
 
@@ -192,24 +333,30 @@ class RoutedExpertsCache:
                 f"{self.device} ({self.dtype}): {error}"
             ) from error
 
-    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor) -> None:
+    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch=None) -> None:
         """Copy the planned rows into their pages, then commit the bookkeeping.
 
+        ``plans`` come from ``_plan_captures``; ``batch`` (from ``capture_batch``) holds
+        continuing spans as arrays ``(slots, starts, source_starts, counts, new_pages)``.
         Nothing is changed before the copy: its target pages are chosen by looking ahead at
         the pages the allocation below will take (free ones first, then the oldest
-        evictable, including pages that first captures of this call stop pinning).
+        evictable, including pages that first captures of this call stop pinning), planned
+        spans first, then the batch.
         """
+        batch_new = int(batch[4].sum()) if batch is not None else 0
         releasing = self._released_by_first_captures(plans)
         available = len(self._free) + len(self._evictable) + len(releasing)
-        if num_new_pages > available:
-            wanted = ", ".join(f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans)
+        if num_new_pages + batch_new > available:
+            wanted = [f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans]
+            if batch is not None:
+                wanted.append(f"{len(batch[0])} continuing requests ({batch_new} pages)")
             raise CacheFullError(
-                f"capture of {wanted} needs {num_new_pages} new pages; only {len(self._free)} free and "
-                f"{available - len(self._free)} evictable of {self.num_pages} (the rest are pinned or "
-                f"owned by live requests)"
+                f"capture of {', '.join(wanted)} needs {num_new_pages + batch_new} new pages; only "
+                f"{len(self._free)} free and {available - len(self._free)} evictable of {self.num_pages} "
+                f"(the rest are pinned or owned by live requests)"
             )
-        from_free = list(islice(self._free, num_new_pages))
-        victims = list(islice(chain(self._evictable, releasing), num_new_pages - len(from_free)))
+        from_free = list(islice(self._free, num_new_pages + batch_new))
+        victims = list(islice(chain(self._evictable, releasing), num_new_pages + batch_new - len(from_free)))
         new_pages = from_free + [self._index[key] for key in victims]
         size, taken = self.page_size, 0
         seg_start, seg_source_row, seg_target_row = [0], [], []
@@ -231,15 +378,65 @@ class RoutedExpertsCache:
                 seg_start.append(seg_start[-1] + run_end - position)
                 source_row += run_end - position
                 position = run_end
+        descriptor = [np.array(seg_source_row, dtype=np.int64), np.array(seg_target_row, dtype=np.int64)]
+        lengths = [np.diff(seg_start)]
+        if batch is not None:
+            slots, starts, source_starts, counts, num_new = batch
+            span, block, first, end = self._page_runs(starts, starts + counts)
+            first_new = -(-starts // size)  # the batch's first block without a page yet
+            is_new = block >= first_new[span]
+            batch_pages = np.array(new_pages[taken:], dtype=np.int64)
+            new_offset = (np.cumsum(num_new) - num_new)[span] + block - first_new[span]
+            table = self._table[slots[span], np.minimum(block, self._table.shape[1] - 1)]
+            page = np.where(is_new, batch_pages[np.where(is_new, new_offset, 0)] if batch_new else 0, table)
+            descriptor[0] = np.concatenate([descriptor[0], source_starts[span] + first - starts[span]])
+            descriptor[1] = np.concatenate([descriptor[1], page * size + first - block * size])
+            lengths.append(end - first)
+        lengths = np.concatenate(lengths)
         try:
-            self._copy_on_device(source_words, self._pool_words, seg_start, seg_source_row, seg_target_row)
+            self._copy_on_device(source_words, self._pool_words, lengths, *descriptor)
         except Exception:
             for key in victims:  # their rows may be partly overwritten: unpublish them (fail closed)
                 self._evictable.pop(key, None)
                 self._free.append(self._index.pop(key))
             raise
         self._commit_captures(plans)
-        self._counters["captured_rows"] += seg_start[-1]
+        if batch is not None:
+            self._commit_batch(batch, batch_new)
+        self._counters["captured_rows"] += int(lengths.sum())
+
+    def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
+        """Split intervals ``[starts[i], ends[i])`` at page boundaries, vectorised.
+
+        Returns ``(span, block, first, end)`` per run: the interval it belongs to, its block,
+        and its positions ``[first, end)``. Empty intervals give no run.
+        """
+        size = self.page_size
+        first_block = starts // size
+        runs = np.where(ends > starts, (ends - 1) // size - first_block + 1, 0)
+        span = np.repeat(np.arange(len(starts)), runs)
+        block = first_block[span] + np.arange(len(span)) - np.repeat(np.cumsum(runs) - runs, runs)
+        return span, block, np.maximum(starts[span], block * size), np.minimum(ends[span], block * size + size)
+
+    def _commit_batch(self, batch, num_new_pages: int) -> None:
+        """Apply the continuing spans of ``capture_batch``: pages, block table, cursors, then
+        publish blocks that became full (Python per new page and per completed block only)."""
+        slots, starts, _, counts, num_new = batch
+        size, ends = self.page_size, starts + counts
+        pages = [self._allocate_page() for _ in range(num_new_pages)]
+        if pages:
+            first_new = -(-starts // size)
+            offsets = np.cumsum(num_new) - num_new
+            rows = np.repeat(slots, num_new)
+            blocks = np.repeat(first_new, num_new) + np.arange(num_new_pages) - np.repeat(offsets, num_new)
+            self._set_table(rows, blocks, pages)
+            for i in np.flatnonzero(num_new).tolist():
+                self._slot_requests[slots[i]].own_pages.extend(pages[offsets[i] : offsets[i] + num_new[i]])
+        self._cursor[slots] = ends
+        for i in np.flatnonzero(ends // size > starts // size).tolist():
+            request = self._slot_requests[slots[i]]
+            if request.first_block + request.num_settled < min(int(ends[i]) // size, len(request.hashes)):
+                self._settle(request)
 
     def _released_by_first_captures(self, plans: list[tuple]) -> list[bytes]:
         """Published hashes that become evictable when this call's first captures drop their
@@ -262,24 +459,34 @@ class RoutedExpertsCache:
         for request_id, request, start, *_ in plans:
             if request.first_block is None:
                 request.first_block = start // size
-                request.cursor = start
-                self._requests[request_id] = request
+                if request.slot < 0:
+                    self._register(request_id, request)
+                self._first_block[request.slot] = request.first_block
+                self._cursor[request.slot] = start
                 self._counters["prefix_hit_rows"] += start
                 self._unpin(reversed(request.hashes[request.first_block :]))
         for _, request, start, _, count, num_new in plans:  # all pages first: the ones the copy wrote
-            for _ in range(num_new):
-                request.own_pages.append(self._allocate_page())
-            request.cursor = start + count
+            if num_new:
+                pages = [self._allocate_page() for _ in range(num_new)]
+                first = request.first_block + len(request.own_pages)
+                self._set_table(request.slot, np.arange(first, first + num_new), pages)
+                request.own_pages.extend(pages)
+            self._cursor[request.slot] = start + count
         for _, request, *_ in plans:
-            if request.first_block + request.num_settled < min(request.cursor // size, len(request.hashes)):
+            if request.first_block + request.num_settled < min(self._cursor_of(request) // size, len(request.hashes)):
                 self._settle(request)
 
-    def _copy_on_device(self, source, target, seg_start, seg_source_row, seg_target_row) -> None:
-        """One host-to-device descriptor copy, one kernel launch."""
-        descriptor = torch.frombuffer(array("i", seg_start + seg_source_row + seg_target_row), dtype=torch.int32)
-        descriptor = descriptor.to(self.device, non_blocking=True)
-        n = len(seg_source_row)
-        self._copy(source, target, descriptor[: n + 1], descriptor[n + 1 : 2 * n + 1], descriptor[2 * n + 1 :], seg_start[-1])
+    def _copy_on_device(self, source, target, lengths, seg_source_row, seg_target_row) -> None:
+        """One host-to-device descriptor copy, one kernel launch; segment i copies
+        ``lengths[i]`` rows from ``seg_source_row[i]`` to ``seg_target_row[i]``."""
+        n = len(lengths)
+        descriptor = np.empty(3 * n + 1, dtype=np.int32)
+        descriptor[0] = 0
+        np.cumsum(lengths, out=descriptor[1 : n + 1])
+        descriptor[n + 1 : 2 * n + 1] = seg_source_row
+        descriptor[2 * n + 1 :] = seg_target_row
+        on_device = torch.from_numpy(descriptor).to(self.device, non_blocking=True)
+        self._copy(source, target, on_device[: n + 1], on_device[n + 1 : 2 * n + 1], on_device[2 * n + 1 :], int(descriptor[n]))
 
     def _check_rows(self, request_id, rows) -> None:
         if not isinstance(rows, torch.Tensor):
@@ -296,6 +503,10 @@ class RoutedExpertsCache:
                 f"got {list(rows.shape)}"
             )
 
+    def _fits_pool_dtype(self, source: torch.Tensor) -> bool:
+        wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
+        return wide.min >= narrow.min and wide.max <= narrow.max
+
     def _check_values(self, source: torch.Tensor, spans) -> None:
         """Refuse rows whose ids do not fit the pool dtype: narrowing them would store wrong ids.
 
@@ -304,9 +515,9 @@ class RoutedExpertsCache:
         source dtype can exceed it, so the bound itself is representable there (torch narrows
         a Python scalar to the tensor's dtype: ``int8 > 255`` would wrap).
         """
-        wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
-        if wide.min >= narrow.min and wide.max <= narrow.max:
+        if self._fits_pool_dtype(source):
             return
+        wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
         values = source.flatten(1)
         if values.dtype == torch.uint64:  # no comparisons in torch: ids >= 2**63 read as negative
             values = values.view(torch.int64)
@@ -359,7 +570,7 @@ class RoutedExpertsCache:
             known = simulated.get(request_id)
             if known is None:
                 request = self._requests.get(request_id) or _Request()
-                first_block, cursor = request.first_block, request.cursor
+                first_block, cursor = request.first_block, self._cursor_of(request)
             else:
                 request, first_block, cursor = known
             if first_block is None:
@@ -401,7 +612,10 @@ class RoutedExpertsCache:
         _check_request_id(request_id)
         hashes = _as_list(hashes, f"request {request_id!r}: block hashes")
         _check_hashes(hashes, f"request {request_id!r}: block hashes")
-        request = self._requests.setdefault(request_id, _Request())
+        request = self._requests.get(request_id)
+        if request is None:
+            request = _Request()
+            self._register(request_id, request)
         first_new = len(request.hashes)
         request.hashes.extend(hashes)
         if request.first_block is None:
@@ -463,7 +677,7 @@ class RoutedExpertsCache:
         """
         if request.first_block is None:
             return
-        full_blocks = request.cursor // self.page_size
+        full_blocks = self._cursor_of(request) // self.page_size
         while True:
             block = request.first_block + request.num_settled
             if block >= full_blocks or block >= len(request.hashes):
@@ -502,7 +716,43 @@ class RoutedExpertsCache:
             offsets.append(seg_start[-1])
         total = seg_start[-1]
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
-        self._copy_on_device(self._pool_words, as_row_words(packed), seg_start, seg_source_row, seg_start[:-1])
+        self._copy_on_device(self._pool_words, as_row_words(packed), np.diff(seg_start), seg_source_row, seg_start[:-1])
+        self._counters["read_rows"] += total
+        return packed, offsets
+
+    def read_batch(self, request_ids: Sequence, starts, ends, slots=None) -> tuple[torch.Tensor, np.ndarray]:
+        """``read_packed(zip(request_ids, starts, ends))`` with arrays; offsets as an array.
+
+        Intervals within a request's own captured rows are located with array operations
+        over the batch; the others (prefix rows, unknown requests, invalid ranges) take
+        ``read_packed``'s path and its errors. Nothing is copied unless every row exists.
+        """
+        request_ids = _as_list(request_ids, "read request ids", RangeUnavailableError)
+        slots = self._batch_slots(request_ids, slots)
+        n, size = len(request_ids), self.page_size
+        starts, ends = (_index_array(v, w, n, RangeUnavailableError) for v, w in ((starts, "starts"), (ends, "ends")))
+        first_block = self._first_block[slots]
+        own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
+        own &= ends <= self._cursor[slots]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
+        pick = np.flatnonzero(own)
+        span, block, first, end = self._page_runs(starts[pick], ends[pick])
+        pages = self._table[slots[pick][span], block]
+        source_rows, target_rows = [pages * size + first - block * size], [offsets[pick][span] + first - starts[pick][span]]
+        lengths = [end - first]
+        for i in np.flatnonzero(~own).tolist():
+            seg_source_row, seg_start = [], [0]
+            self._append_segments(request_ids[i], starts[i].item(), ends[i].item(), seg_source_row, seg_start)
+            source_rows.append(np.array(seg_source_row, dtype=np.int64))
+            target_rows.append(offsets[i] + np.array(seg_start[:-1], dtype=np.int64))
+            lengths.append(np.diff(seg_start))
+        total = int(offsets[-1])
+        packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
+        self._copy_on_device(
+            self._pool_words, as_row_words(packed), np.concatenate(lengths), np.concatenate(source_rows),
+            np.concatenate(target_rows),
+        )
         self._counters["read_rows"] += total
         return packed, offsets
 
@@ -524,7 +774,7 @@ class RoutedExpertsCache:
             return
         size = self.page_size
         first_block, own_start = request.first_block, request.own_start(size)
-        if end > own_start and end > request.cursor:
+        if end > own_start and end > self._cursor_of(request):
             raise self._unavailable(request_id, request, start, end)
         position, total = start, seg_start[-1]
         while position < end:
@@ -553,11 +803,12 @@ class RoutedExpertsCache:
                     ranges[-1] = (ranges[-1][0], first + self.page_size)
                 else:
                     ranges.append((first, first + self.page_size))
-        if request.cursor > own_start:
+        cursor = self._cursor_of(request)
+        if cursor > own_start:
             if ranges and ranges[-1][1] == own_start:
-                ranges[-1] = (ranges[-1][0], request.cursor)
+                ranges[-1] = (ranges[-1][0], cursor)
             else:
-                ranges.append((own_start, request.cursor))
+                ranges.append((own_start, cursor))
         return RangeUnavailableError(
             f"request {request_id!r}: range [{start}, {end}) is unavailable; available: {_format_ranges(ranges)} "
             f"({len(request.hashes)} block hashes known, page size {self.page_size})"
@@ -575,6 +826,10 @@ class RoutedExpertsCache:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        del self._slot_of[request_id]
+        self._slot_requests[request.slot] = None
+        self._slot_ids[request.slot] = None
+        self._free_slots.append(request.slot)
         pinned = self._pinned_hashes(request)
         published = {self._index.get(block_hash) for block_hash in pinned}
         self._free.extend(page for page in reversed(request.own_pages) if page not in published)
@@ -593,7 +848,7 @@ class RoutedExpertsCache:
         if _check_position("position", position, request_id) < 0:
             raise InvalidCaptureError(f"request {request_id!r}: rewind position must be >= 0, got {position}")
         request = self._requests.get(request_id)
-        if request is None or request.first_block is None or position >= request.cursor:
+        if request is None or request.first_block is None or position >= self._cursor_of(request):
             return
         size, first_block = self.page_size, request.first_block
         own_start = first_block * size
@@ -614,9 +869,10 @@ class RoutedExpertsCache:
         del request.own_pages[keep:]
         if position < own_start:
             request.first_block = position // size
+            self._first_block[request.slot] = request.first_block
             self._unpin(reversed(request.hashes[request.first_block : first_block]))
-        self._counters["rewound_rows"] += request.cursor - position
-        request.cursor = position
+        self._counters["rewound_rows"] += self._cursor_of(request) - position
+        self._cursor[request.slot] = position
 
     def reset(self) -> None:
         """Drop every request and page; hashes from before never hit again."""
@@ -637,7 +893,7 @@ class RoutedExpertsCache:
                 if offset < request.num_settled:
                     if states.get(page) != "published":
                         states[page] = "duplicate"
-                elif (request.first_block + offset + 1) * self.page_size <= request.cursor:
+                elif (request.first_block + offset + 1) * self.page_size <= self._cursor_of(request):
                     states[page] = "pending"
                 else:
                     states[page] = "tail"
@@ -674,6 +930,15 @@ class RoutedExpertsCache:
             problems.append("a free page is also in use")
         if len(free) + len(states) != self.num_pages:
             problems.append(f"{self.num_pages - len(free) - len(states)} pages are in no state")
+        for request_id, r in self._requests.items():
+            first = r.first_block if r.first_block is not None else -1
+            if (
+                self._slot_requests[r.slot] is not r or self._first_block[r.slot] != first
+                or self._slot_ids[r.slot] != request_id or self._slot_of[request_id] != r.slot
+            ):
+                problems.append("a request's slot arrays disagree with its block map")
+            elif r.own_pages and self._table[r.slot, first : first + len(r.own_pages)].tolist() != r.own_pages:
+                problems.append("the block table disagrees with a request's own pages")
         owners = Counter(p for r in self._requests.values() for p in r.own_pages)
         if any(n > 1 for n in owners.values()):
             problems.append("a page is owned by two requests")

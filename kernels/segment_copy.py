@@ -48,13 +48,18 @@ def _segment_copy_kernel(
     first_row = tl.load(seg_start_ptr + segments, mask=present, other=0)
     end_row = tl.load(seg_start_ptr + segments + 1, mask=present, other=0)
     num_words = ((end_row - first_row) * ROW_WORDS)[:, None]
+    longest = tl.max(num_words)
     source_base = tl.load(seg_source_row_ptr + segments, mask=present, other=0).to(tl.int64)[:, None] * ROW_WORDS
     target_base = tl.load(seg_target_row_ptr + segments, mask=present, other=0).to(tl.int64)[:, None] * ROW_WORDS
-    for first_word in range(0, tl.max(num_words), BLOCK_WORDS):
+    # A while loop, not range(0, longest, ...): triton 3.6's interpreter cannot take a tensor
+    # as a range bound under numpy 2 (its scalars are 1-element arrays).
+    first_word = 0
+    while first_word < longest:
         words = first_word + tl.arange(0, BLOCK_WORDS)[None, :]
         mask = words < num_words
         values = tl.load(source_ptr + source_base + words, mask=mask)
         tl.store(target_ptr + target_base + words, values, mask=mask)
+        first_word += BLOCK_WORDS
 
 
 def copy_segments(

@@ -147,7 +147,8 @@ def check_one_capture(backend, data):
     cache = populated(backend, pool_dtype)
     source, flat, fits = data.draw(row_sources(pool_dtype), label="source")
     n = source.shape[0]
-    api = data.draw(st.sampled_from(["capture", "capture_new", "capture_many", "capture_from"]), label="api")
+    apis = ["capture", "capture_new", "capture_many", "capture_from", "capture_batch"]
+    api = data.draw(st.sampled_from(apis), label="api")
     before = observe(cache)
     if api == "capture":
         call, request_id, start = (lambda: cache.capture("a", 6, source)), "a", 6
@@ -155,8 +156,10 @@ def check_one_capture(backend, data):
         call, request_id, start = (lambda: cache.capture("c", 0, source)), "c", 0
     elif api == "capture_many":
         call, request_id, start = (lambda: cache.capture_many([("b", 3, source), ("a", 6, source)])), "a", 6
-    else:
+    elif api == "capture_from":
         call, request_id, start = (lambda: cache.capture_from(source, [("a", 6, 0, n)])), "a", 6
+    else:
+        call, request_id, start = (lambda: cache.capture_batch(source, ["a"], [6], [0], [n])), "a", 6
     if not fits:
         with pytest.raises(InvalidCaptureError):
             call()
@@ -192,6 +195,11 @@ def valid(kind: str, value) -> bool:
         return isinstance(value, torch.Tensor) and value.dim() == 3
     if kind == "hash":
         return type(value) is bytes and len(value) > 0
+    if kind == "element":  # one integer of an index array (numpy and 0-d torch integers too)
+        is_integer = isinstance(value, (int, np.integer)) or (
+            isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()
+        )
+        return is_integer and type(value) is not bool and int(value) >= 0
     if kind == "sequence":  # an empty collection is a valid "nothing to do"
         return isinstance(value, (list, tuple, dict)) and not value
     return False
@@ -224,6 +232,16 @@ CALLS = {
     "read_many intervals": (lambda c, a: c.read_many(a[0]), ([("a", 0, 6)],), ("sequence",), RangeUnavailableError),
     "read_packed interval": (lambda c, a: c.read_packed([("b", 0, 3), a[0]]), (("a", 0, 6),), ("item",),
                              RangeUnavailableError),
+    "capture_batch source": (lambda c, a: c.capture_batch(a[0], ["a"], [6], [0], [2]), (ROWS2,), ("rows",),
+                             InvalidCaptureError),
+    "capture_batch ids": (lambda c, a: c.capture_batch(ROWS2, a[0], [6], [0], [2]), (["a"],), ("sequence",),
+                          RoutedExpertsCacheError),
+    "capture_batch span": (lambda c, a: c.capture_batch(ROWS2, [a[0]], [a[1]], [a[2]], [a[3]]), ("a", 6, 0, 2),
+                           ("id", "element", "element", "element"), RoutedExpertsCacheError),
+    "read_batch ids": (lambda c, a: c.read_batch(a[0], [0], [6]), (["a"],), ("sequence",), RangeUnavailableError),
+    "read_batch interval": (lambda c, a: c.read_batch([a[0]], [a[1]], [a[2]]), ("a", 0, 6), ("id", "element", "element"),
+                            RoutedExpertsCacheError),
+    "slots": (lambda c, a: c.slots([a[0]]), ("a",), ("id",), RoutedExpertsCacheError),
     "finish": (lambda c, a: c.finish(a[0]), ("a",), ("id",), RoutedExpertsCacheError),
     "rewind": (lambda c, a: c.rewind(*a), ("a", 2), ("id", "position"), RoutedExpertsCacheError),
 }
