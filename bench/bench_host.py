@@ -7,16 +7,19 @@ scheduler (``cpu_harness/vllm033.py``: its ``Scheduler``, ``KVCacheManager``, bl
 and ``AuxOutputSchedulerConnector``; a simulated runner with EAGLE-style 4-token drafts and
 random rejections): requests share system prefixes, prefill in chunks, finish and are
 replaced. The trace (metadata, batches, snapshots, acceptance counts, in vLLM's async call
-order) is then replayed through fresh instances of both connectors in the same process, and
-``begin_step`` + ``process_output`` are timed per step (wall and thread CPU time). Rows are
-(48, 8) uint8 (Qwen3-30B-A3B), block 16. The timed traces have lookahead block hashing off,
-because vLLM's own connector crashes on a trace with it on (shown first).
+order) is then replayed through fresh instances of both connectors in the same process,
+interleaved (``--rounds``), and all four hooks (``begin_step``, ``prepare_output``,
+``enqueue_cpu_copy``, ``process_output``) are timed per step, in thread CPU time (the
+figure compared) and wall time. Rows are (48, 8) uint8 (Qwen3-30B-A3B), block 16. The timed
+traces have lookahead block hashing off, because vLLM's own connector crashes on a trace
+with it on (shown first, with our rows checked against the rows the trace captured).
 
 On this CPU machine our connector's scatter/gather run as torch CPU ops inside
 ``process_output``; on a GPU they are asynchronous kernel launches. The table therefore
-shows our time both in full and without the row copies (``host_only``: the bookkeeping a
+shows our CPU time both in full and without the row copies (``host_only``: the bookkeeping a
 GPU deployment keeps on the host); vLLM's connector does all of its work on the host on
 any machine. Resident memory is measured in a separate process per connector (``--rss``).
+Results go to a new folder under bench/results/ (or ``$OUT``).
 """
 
 import argparse
@@ -67,6 +70,7 @@ class Recorder:
 
     def __init__(self, connector) -> None:
         self.connector, self.events, self._capturer = connector, [], connector._capturer
+        self.outputs = []  # what each process_output returned (rows checked by the harness)
 
     def begin_step(self, metadata) -> None:
         self.events.append(("begin", metadata))
@@ -93,7 +97,11 @@ class _RecordedPending:
 
     def process_output(self):
         self.recorder.events.append(("process", self.step))
-        return self.pending.process_output()
+        out = self.pending.process_output()
+        self.recorder.outputs.append(
+            {k: (v.token_start, widen(torch.from_numpy(np.asarray(v.rows))).numpy()) for k, v in out.items()}
+        )
+        return out
 
 
 def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0):
@@ -123,51 +131,90 @@ def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0
         top_up()
         engine.step()
     engine.drain()
-    return setup, recorder.events, {"requests": added, "finished": len(engine.finished)}
+    trace = {"requests": added, "finished": len(engine.finished), "outputs": recorder.outputs}
+    return setup, recorder.events, trace
+
+
+HOOKS = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
 
 
 def replay(setup, events, build) -> dict:
-    """Replay a recorded trace through a fresh connector; time begin_step + process_output."""
+    """Replay a recorded trace through a fresh connector, timing each of the four hooks.
+
+    Per step (the k-th call of each hook): wall and thread-CPU seconds of every hook, and the
+    thread-CPU seconds spent inside our row copies (kernel launches on a GPU, torch CPU ops
+    here), so that the bookkeeping alone can be reported.
+    """
     capturer = WideCapturer()
     connector = build(setup, capturer)
-    copy_seconds = [0.0]  # time in our row copies: kernel launches on a GPU, torch CPU ops here
+    copy_cpu = [0.0]
     cache = getattr(connector, "cache", None)
     if cache is not None:
         copy = cache._copy
 
         def timed_copy(*args):
-            started = time.perf_counter()
+            started = time.thread_time()
             copy(*args)
-            copy_seconds[0] += time.perf_counter() - started
+            copy_cpu[0] += time.thread_time() - started
 
         cache._copy = timed_copy
-    pendings, begin, process, outputs = {}, [], [], []
+    pendings, outputs = {}, []
+    timed = {hook: [] for hook in HOOKS}  # per hook, in call order: (wall, cpu, copy cpu)
+
+    def timed_call(hook, fn, *args):
+        copy_cpu[0] = 0.0
+        wall, cpu = time.perf_counter(), time.thread_time()
+        result = fn(*args)
+        timed[hook].append((time.perf_counter() - wall, time.thread_time() - cpu, copy_cpu[0]))
+        return result
+
     gc.collect()
     gc.freeze()
     for event in events:
         kind = event[0]
         if kind == "begin":
-            wall, cpu = time.perf_counter(), time.thread_time()
-            connector.begin_step(event[1])
-            begin.append((time.perf_counter() - wall, time.thread_time() - cpu))
+            timed_call("begin_step", connector.begin_step, event[1])
         elif kind == "prepare":
             _, step, batch, snapshot = event
             capturer.next_snapshot = snapshot
-            pendings[step] = connector.prepare_output(batch)
+            pendings[step] = timed_call("prepare_output", connector.prepare_output, batch)
         elif kind == "enqueue":
             _, step, num_sampled, num_rejected = event
-            pendings[step].enqueue_cpu_copy(num_sampled, num_rejected)
+            timed_call("enqueue_cpu_copy", pendings[step].enqueue_cpu_copy, num_sampled, num_rejected)
         else:
-            copy_seconds[0] = 0.0
-            wall, cpu = time.perf_counter(), time.thread_time()
-            out = pendings.pop(event[1]).process_output()
-            process.append((time.perf_counter() - wall, time.thread_time() - cpu, copy_seconds[0]))
+            out = timed_call("process_output", pendings.pop(event[1]).process_output)
             outputs.append({k: (v.token_start, np.asarray(v.rows).copy()) for k, v in out.items()})
     connector.close()
     gc.unfreeze()
-    # Per step: process_output(t) with the begin_step that preceded it.
-    per_step = [(b[0] + p[0], b[1] + p[1], b[0] + p[0] - p[2]) for b, p in zip(begin, process)]
+    steps = min(len(samples) for samples in timed.values())
+    per_step = [
+        {hook: timed[hook][k] for hook in HOOKS} for k in range(steps)
+    ]
     return {"per_step": per_step, "outputs": outputs}
+
+
+def summarize(impl: str, concurrency: int, samples: list[dict]) -> dict:
+    """Medians over steps: all hooks together (wall, CPU, CPU without row copies) and per hook."""
+    wall = [sum(s[h][0] for h in HOOKS) for s in samples]
+    cpu = [sum(s[h][1] for h in HOOKS) for s in samples]
+    bookkeeping = [sum(s[h][1] - s[h][2] for h in HOOKS) for s in samples]
+    row = {
+        "impl": impl, "concurrency": concurrency, "step_samples": len(samples),
+        "median_ms": statistics.median(wall) * 1e3, "p90_ms": float(np.percentile(wall, 90)) * 1e3,
+        "cpu_median_ms": statistics.median(cpu) * 1e3,
+        "host_only_cpu_median_ms": statistics.median(bookkeeping) * 1e3,
+    }
+    for hook in HOOKS:
+        row[f"{hook}_cpu_ms"] = statistics.median(s[hook][1] for s in samples) * 1e3
+    return row
+
+
+def same_outputs(a: list[dict], b: list[dict]) -> bool:
+    """Two replays returned the same rows at the same positions for the same requests."""
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(x[k][0] == y[k][0] and np.array_equal(x[k][1], y[k][1]) for k in x)
+        for x, y in zip(a, b)
+    )
 
 
 def builders():
@@ -200,17 +247,17 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for impl in sorted({r["impl"] for r in rows}):
         mine = [r for r in rows if r["impl"] == impl]
-        points = sorted((float(r["concurrency"]), float(r["median_ms"])) for r in mine)
+        points = sorted((float(r["concurrency"]), float(r["cpu_median_ms"])) for r in mine)
         line = ax.plot(*zip(*points), marker="o", label=f"{impl}: total")[0]
-        if any(float(r["host_only_median_ms"]) != float(r["median_ms"]) for r in mine):
-            points = sorted((float(r["concurrency"]), float(r["host_only_median_ms"])) for r in mine)
+        if any(float(r["host_only_cpu_median_ms"]) != float(r["cpu_median_ms"]) for r in mine):
+            points = sorted((float(r["concurrency"]), float(r["host_only_cpu_median_ms"])) for r in mine)
             ax.plot(*zip(*points), marker="o", linestyle="--", color=line.get_color(),
                     label=f"{impl}: bookkeeping (no row copies)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("host ms per step (median)")
-    ax.set_title("begin_step + process_output per engine step (CPU machine)")
+    ax.set_ylabel("host CPU ms per step (thread time, median)")
+    ax.set_title("all four connector hooks per engine step (CPU machine)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -224,6 +271,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved replays per connector")
     parser.add_argument("--rss", nargs=2, metavar=("IMPL", "CONCURRENCY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss:
@@ -233,13 +281,17 @@ def main() -> None:
     # With EAGLE/MTP lookahead hashing on (vLLM 0.33's default), vLLM's own connector cannot
     # replay such a trace at all (design/vllm-aux-output.md section 4): show it, then compare
     # speed on traces with lookahead hashing off, which both connectors can run.
-    setup, events, _ = record_trace(16, LOOKAHEAD_TRACE_STEPS, lookahead=1)
+    setup, events, trace = record_trace(16, LOOKAHEAD_TRACE_STEPS, lookahead=1)
     for impl, build in builders().items():
         try:
-            replay(setup, events, build)
-            print(f"lookahead-1 trace: {impl} returned every row")
+            outputs = replay(setup, events, build)["outputs"]
         except AssertionError as error:
             print(f"lookahead-1 trace: {impl} crashed: AssertionError: {error}")
+            continue
+        if not same_outputs(outputs, trace["outputs"]):
+            raise SystemExit(f"lookahead-1 trace: {impl} returned rows that differ from the recorded ones")
+        rows = sum(len(rows) for out in outputs for _, rows in out.values())
+        print(f"lookahead-1 trace: {impl} returned every row exactly ({rows} rows, checked against the oracle)")
     rows = []
     for concurrency in args.concurrency:
         started = time.perf_counter()
@@ -248,38 +300,28 @@ def main() -> None:
               f"{trace['finished']} finished ({time.perf_counter() - started:.1f} s)", flush=True)
         timings = {impl: [] for impl in builders()}
         results = {}
-        for _ in range(2):  # alternate the two implementations to spread machine noise
+        for _ in range(args.rounds):  # alternate the two implementations to spread machine noise
             for impl, build in builders().items():
                 results[impl] = replay(setup, events, build)
                 timings[impl] += results[impl]["per_step"]
         ours, theirs = results["routed-experts-cache"]["outputs"], results["vllm-0.33-builtin"]["outputs"]
-        if len(ours) != len(theirs) or any(
-            a.keys() != b.keys() or any(a[k][0] != b[k][0] or not np.array_equal(a[k][1], b[k][1]) for k in a)
-            for a, b in zip(ours, theirs)
-        ):
+        if not same_outputs(ours, theirs) or not same_outputs(ours, trace["outputs"]):
             raise SystemExit(f"outputs differ between the two connectors at concurrency {concurrency}")
         for impl, samples in timings.items():
-            wall = [w for w, _, _ in samples]
-            cpu = [c for _, c, _ in samples]
-            host_only = [h for _, _, h in samples]
             rss = json.loads(subprocess.run(
                 [sys.executable, __file__, "--steps", str(args.steps), "--rss", impl, str(concurrency)],
                 capture_output=True, text=True, check=True,
             ).stdout.strip().splitlines()[-1])
-            rows.append({
-                "impl": impl, "concurrency": concurrency, "steps": len(samples) // 2,
-                "median_ms": statistics.median(wall) * 1e3, "p90_ms": float(np.percentile(wall, 90)) * 1e3,
-                "cpu_median_ms": statistics.median(cpu) * 1e3,
-                "host_only_median_ms": statistics.median(host_only) * 1e3,
-                "rss_growth_MiB": rss["rss_growth_MiB"],
-            })
+            rows.append({**summarize(impl, concurrency, samples), "rss_growth_MiB": rss["rss_growth_MiB"]})
         ours, theirs = rows[-2], rows[-1]
         for row in (ours, theirs):
-            row["ratio_to_vllm"] = row["median_ms"] / theirs["median_ms"]
-            row["host_only_ratio_to_vllm"] = row["host_only_median_ms"] / theirs["median_ms"]
-        print(f"    ours {ours['median_ms']:.3f} ms/step ({ours['host_only_median_ms']:.3f} without the row "
-              f"copies), vLLM {theirs['median_ms']:.3f} ms/step -> ours/vLLM = {ours['ratio_to_vllm']:.2f} "
-              f"({ours['host_only_ratio_to_vllm']:.2f})", flush=True)
+            row["cpu_ratio_to_vllm"] = row["cpu_median_ms"] / theirs["cpu_median_ms"]
+            row["host_only_cpu_ratio_to_vllm"] = row["host_only_cpu_median_ms"] / theirs["cpu_median_ms"]
+            row["wall_ratio_to_vllm"] = row["median_ms"] / theirs["median_ms"]
+        print(f"    CPU per step, all four hooks: ours {ours['cpu_median_ms']:.3f} ms "
+              f"({ours['host_only_cpu_median_ms']:.3f} without the row copies), vLLM {theirs['cpu_median_ms']:.3f} ms "
+              f"-> ours/vLLM = {ours['cpu_ratio_to_vllm']:.3f} (bookkeeping {ours['host_only_cpu_ratio_to_vllm']:.3f}); "
+              f"wall {ours['wall_ratio_to_vllm']:.3f}", flush=True)
     print()
     print_table(rows, list(rows[0]))
     csv_path = save_csv(rows, "host_overhead.csv", torch.device("cpu"))

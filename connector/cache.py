@@ -400,9 +400,23 @@ class RoutedExpertsCache:
                 self._evictable.pop(key, None)
                 self._free.append(self._index.pop(key))
             raise
-        self._commit_captures(plans)
+        # Every page is taken before any block settles: settling frees and pins pages, which
+        # would change which pages the allocation takes from the ones the copy wrote.
+        self._start_first_captures(plans)
+        pages = [self._allocate_page() for _ in range(num_new_pages + batch_new)]
+        self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
-            self._commit_batch(batch, batch_new)
+            self._commit_batch(batch, pages[num_new_pages:])
+        for _, request, *_ in plans:
+            if request.first_block + request.num_settled < min(self._cursor_of(request) // size, len(request.hashes)):
+                self._settle(request)
+        if batch is not None:
+            slots, starts, _, counts, _ = batch
+            ends = starts + counts
+            for i in np.flatnonzero(ends // size > starts // size).tolist():
+                request = self._slot_requests[slots[i]]
+                if request.first_block + request.num_settled < min(int(ends[i]) // size, len(request.hashes)):
+                    self._settle(request)
         self._counters["captured_rows"] += int(lengths.sum())
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
@@ -418,25 +432,19 @@ class RoutedExpertsCache:
         block = first_block[span] + np.arange(len(span)) - np.repeat(np.cumsum(runs) - runs, runs)
         return span, block, np.maximum(starts[span], block * size), np.minimum(ends[span], block * size + size)
 
-    def _commit_batch(self, batch, num_new_pages: int) -> None:
-        """Apply the continuing spans of ``capture_batch``: pages, block table, cursors, then
-        publish blocks that became full (Python per new page and per completed block only)."""
+    def _commit_batch(self, batch, pages: list[int]) -> None:
+        """Apply the continuing spans of ``capture_batch``: new pages into the block maps and
+        the block table, cursors (Python per new page only; blocks settle in ``_write``)."""
         slots, starts, _, counts, num_new = batch
-        size, ends = self.page_size, starts + counts
-        pages = [self._allocate_page() for _ in range(num_new_pages)]
         if pages:
-            first_new = -(-starts // size)
+            first_new = -(-starts // self.page_size)
             offsets = np.cumsum(num_new) - num_new
             rows = np.repeat(slots, num_new)
-            blocks = np.repeat(first_new, num_new) + np.arange(num_new_pages) - np.repeat(offsets, num_new)
+            blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
             self._set_table(rows, blocks, pages)
             for i in np.flatnonzero(num_new).tolist():
                 self._slot_requests[slots[i]].own_pages.extend(pages[offsets[i] : offsets[i] + num_new[i]])
-        self._cursor[slots] = ends
-        for i in np.flatnonzero(ends // size > starts // size).tolist():
-            request = self._slot_requests[slots[i]]
-            if request.first_block + request.num_settled < min(int(ends[i]) // size, len(request.hashes)):
-                self._settle(request)
+        self._cursor[slots] = starts + counts
 
     def _released_by_first_captures(self, plans: list[tuple]) -> list[bytes]:
         """Published hashes that become evictable when this call's first captures drop their
@@ -452,29 +460,29 @@ class RoutedExpertsCache:
                         released.append(block_hash)
         return released
 
-    def _commit_captures(self, plans: list[tuple]) -> None:
-        """Apply planned captures: first captures stop pinning their own blocks' hashes (the
-        request reads its own pages there), then pages are allocated and full blocks settle."""
-        size = self.page_size
+    def _start_first_captures(self, plans: list[tuple]) -> None:
+        """First captures stop pinning their own blocks' hashes: the request reads its own
+        pages there (the released pages are the ones ``_released_by_first_captures`` saw)."""
         for request_id, request, start, *_ in plans:
             if request.first_block is None:
-                request.first_block = start // size
+                request.first_block = start // self.page_size
                 if request.slot < 0:
                     self._register(request_id, request)
                 self._first_block[request.slot] = request.first_block
                 self._cursor[request.slot] = start
                 self._counters["prefix_hit_rows"] += start
                 self._unpin(reversed(request.hashes[request.first_block :]))
-        for _, request, start, _, count, num_new in plans:  # all pages first: the ones the copy wrote
+
+    def _commit_captures(self, plans: list[tuple], pages: list[int]) -> None:
+        """Apply planned captures: their new pages (in plan order) and cursors."""
+        taken = 0
+        for _, request, start, _, count, num_new in plans:
             if num_new:
-                pages = [self._allocate_page() for _ in range(num_new)]
                 first = request.first_block + len(request.own_pages)
-                self._set_table(request.slot, np.arange(first, first + num_new), pages)
-                request.own_pages.extend(pages)
+                self._set_table(request.slot, np.arange(first, first + num_new), pages[taken : taken + num_new])
+                request.own_pages.extend(pages[taken : taken + num_new])
+                taken += num_new
             self._cursor[request.slot] = start + count
-        for _, request, *_ in plans:
-            if request.first_block + request.num_settled < min(self._cursor_of(request) // size, len(request.hashes)):
-                self._settle(request)
 
     def _copy_on_device(self, source, target, lengths, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch; segment i copies

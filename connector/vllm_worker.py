@@ -18,6 +18,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from itertools import repeat
 from threading import Lock
 from typing import TYPE_CHECKING
 
@@ -50,21 +51,13 @@ class ConnectorStateError(RoutedExpertsCacheError):
     """vLLM metadata or step outputs contradict the connector's request state."""
 
 
-@dataclass
-class _RequestState:
-    emit_cursor: int  # first row the client has not received yet
-    capture_cursor: int | None = None  # next row to capture (None before the first capture)
-    scheduled_cursor: int = 0  # end of what the scheduler last ran, drafts included
-    pending_outputs: int = 0  # step outputs in flight that cover this request
-    finished: bool = False  # terminal event seen; teardown waits for pending_outputs == 0
-
-
 @dataclass(eq=False)  # compared by identity: the connector keeps and removes these in a list
 class PendingCacheOutput:
     """One step's snapshot, kept on the device until the step's output is processed."""
 
     connector: CacheWorkerConnector
     request_ids: list[str]
+    slots: np.ndarray  # the requests' cache slots (index the connector's state arrays)
     token_starts: np.ndarray
     query_start_loc: np.ndarray
     snapshot: torch.Tensor
@@ -93,14 +86,18 @@ def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs:
 
 
 class CacheWorkerConnector:
-    """Capture routing rows into the device cache and return each request's rows."""
+    """Capture routing rows into the device cache and return each request's rows.
+
+    Request state lives in arrays indexed by the request's cache slot (``cache.slots``), so
+    a step is a fixed number of numpy operations over vLLM's batch arrays; Python runs per
+    request only where requests start, finish, roll back, or get new block hashes.
+    """
 
     def __init__(self, *, capturer, cache: RoutedExpertsCache | None, max_concurrent_batches: int) -> None:
         """``capturer`` provides ``snapshot_routing_data(num_tokens)`` (vLLM's capturer);
         ``cache`` is None on ranks that keep no data (all but the first TP rank)."""
         self._capturer = capturer
         self._cache = cache
-        self._requests: dict[str, _RequestState] = {}
         self._generation = 0
         self._step_metadata: AuxOutputConnectorMetadata | None = None
         self._pending_outputs: list[PendingCacheOutput] = []
@@ -109,6 +106,34 @@ class CacheWorkerConnector:
         self._side_stream = SideStream(cache.device) if cache is not None and cache.device.type == "cuda" else None
         self._reattachments = 0
         self._rollbacks = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._slot_of: dict[str, int] = {}  # the requests this connector tracks -> cache slot
+        self._emit_cursor = np.zeros(0, dtype=np.int64)  # first row the client has not received
+        self._capture_cursor = np.zeros(0, dtype=np.int64)  # next row to capture; -1 before the first
+        self._scheduled_cursor = np.zeros(0, dtype=np.int64)  # end of what last ran, drafts included
+        self._pending = np.zeros(0, dtype=np.int64)  # step outputs in flight covering the request
+        self._finished = np.zeros(0, dtype=bool)  # terminal event seen; teardown once pending is 0
+
+    def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
+        """Start tracking new requests: take their cache slots and reset those slots' state."""
+        slots = self._cache.slots(request_ids)
+        if len(slots) and slots.max() >= len(self._pending):
+            grow = max(int(slots.max()) + 1, 2 * len(self._pending), 16) - len(self._pending)
+            for name in ("_emit_cursor", "_capture_cursor", "_scheduled_cursor", "_pending", "_finished"):
+                array = getattr(self, name)
+                setattr(self, name, np.concatenate([array, np.zeros(grow, dtype=array.dtype)]))
+        self._slot_of.update(zip(request_ids, slots.tolist()))
+        self._emit_cursor[slots] = emit_starts
+        self._capture_cursor[slots] = -1
+        self._scheduled_cursor[slots] = 0
+        self._pending[slots] = 0
+        self._finished[slots] = False
+
+    def _slots(self, request_ids) -> np.ndarray:
+        """Slots of tracked requests; -1 for the others."""
+        return np.fromiter(map(self._slot_of.get, request_ids, repeat(-1)), dtype=np.int64, count=len(request_ids))
 
     @property
     def cache(self) -> RoutedExpertsCache | None:
@@ -121,7 +146,7 @@ class CacheWorkerConnector:
             cache_stats = self._cache.stats() if self._cache is not None else {}
             return {
                 **cache_stats, "reattachments": self._reattachments, "rollbacks": self._rollbacks,
-                "requests_tracked": len(self._requests),
+                "requests_tracked": len(self._slot_of),
             }
 
     # ---------------------------------------------------------- model thread
@@ -135,32 +160,32 @@ class CacheWorkerConnector:
             self._step_metadata = metadata
             return
         with self._lock:
-            new_generation = self._check_metadata(metadata)
+            request_ids = list(metadata.requests)
+            emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
+            new_generation = self._check_metadata(metadata, request_ids, emit_starts)
             hashes = {request_id: list(packed) for request_id, packed in metadata.block_hashes.items()}
             self._step_metadata = metadata
             if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
                 # this metadata belong to the old generation and are dropped with it.
                 self._cache.reset()
-                self._requests.clear()
+                self._clear()
                 self._generation = metadata.generation
             else:
                 self._apply_pins(metadata)
-            requests = self._requests
-            for request_id, emit_start in metadata.requests.items():
-                if request_id not in requests:
-                    requests[request_id] = _RequestState(emit_cursor=emit_start)
+            new = np.flatnonzero(self._slots(request_ids) < 0)
+            if len(new):
+                self._track([request_ids[i] for i in new.tolist()], emit_starts[new])
             for request_id, block_hashes in hashes.items():
                 self._cache.add_block_hashes(request_id, block_hashes)
-            for request_id in metadata.finished_requests:
-                state = self._requests.get(request_id)
-                if state is None:
-                    continue
-                state.finished = True
-                if state.pending_outputs == 0:
-                    self._teardown(request_id)
+            finished = [r for r in metadata.finished_requests if r in self._slot_of]
+            if finished:
+                slots = self._slots(finished)
+                self._finished[slots] = True
+                for i in np.flatnonzero(self._pending[slots] == 0).tolist():
+                    self._teardown(finished[i])
 
-    def _check_metadata(self, metadata: AuxOutputConnectorMetadata) -> bool:
+    def _check_metadata(self, metadata: AuxOutputConnectorMetadata, request_ids: list, emit_starts: np.ndarray) -> bool:
         """Raise if the metadata contradicts the connector's state; True on a new generation."""
         both = metadata.requests.keys() & set(metadata.finished_requests)
         if both:
@@ -175,19 +200,22 @@ class CacheWorkerConnector:
                 f"generation changed to {metadata.generation} with {len(self._pending_outputs)} step "
                 f"outputs in flight"
             )
-        known = {} if new_generation else self._requests
-        for request_id, emit_start in metadata.requests.items():
-            state = known.get(request_id)
-            if state is None:
-                continue
-            if state.finished:
+        known = {} if new_generation else self._slot_of
+        if known:
+            slots = self._slots(request_ids)
+            tracked = np.flatnonzero(slots >= 0)
+            slots = slots[tracked]
+            again = np.flatnonzero(self._finished[slots])
+            if len(again):
                 raise ConnectorStateError(
-                    f"request {request_id!r} was scheduled again before its teardown completed"
+                    f"request {request_ids[tracked[again[0]]]!r} was scheduled again before its teardown completed"
                 )
-            if state.pending_outputs == 0 and emit_start > state.emit_cursor:
+            ahead = np.flatnonzero((self._pending[slots] == 0) & (emit_starts[tracked] > self._emit_cursor[slots]))
+            if len(ahead):
+                i = tracked[ahead[0]]
                 raise ConnectorStateError(
-                    f"request {request_id!r}: scheduler emit start {emit_start} is ahead of the rows "
-                    f"delivered so far ({state.emit_cursor})"
+                    f"request {request_ids[i]!r}: scheduler emit start {emit_starts[i]} is ahead of the rows "
+                    f"delivered so far ({self._emit_cursor[slots[ahead[0]]]})"
                 )
         for request_id in metadata.block_hashes:
             if request_id not in known and request_id not in metadata.requests:
@@ -214,11 +242,14 @@ class CacheWorkerConnector:
             return None
         request_ids = list(input_batch.req_ids)
         query_start_loc = np.array(input_batch.query_start_loc_np[: len(request_ids) + 1])
+        with self._lock:
+            slots = self._slots(request_ids)
         pending = PendingCacheOutput(
             connector=self,
             request_ids=request_ids,
-            token_starts=np.array(input_batch.num_computed_tokens_np[: len(request_ids)]),
-            query_start_loc=query_start_loc,
+            slots=slots,
+            token_starts=np.array(input_batch.num_computed_tokens_np[: len(request_ids)], dtype=np.int64),
+            query_start_loc=query_start_loc.astype(np.int64, copy=False),
             snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
             emit_starts=self._step_metadata.requests,
         )
@@ -230,12 +261,13 @@ class CacheWorkerConnector:
                     f"{len(self._pending_outputs)} step outputs are in flight, more than "
                     f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
                 )
-            unknown = [r for r in request_ids if r not in self._requests]
-            if unknown:
+            if (slots < 0).any():
+                unknown = [request_ids[i] for i in np.flatnonzero(slots < 0).tolist()]
                 raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
+            if len(np.unique(slots)) != len(slots):
+                raise ConnectorStateError(f"step lists a request twice: {request_ids}")
             self._pending_outputs.append(pending)
-            for request_id in request_ids:
-                self._requests[request_id].pending_outputs += 1
+            self._pending[slots] += 1
         return pending
 
     # --------------------------------------------------------- output thread
@@ -252,82 +284,76 @@ class CacheWorkerConnector:
                     return self._commit(pending)
                 return self._side_stream.run(lambda: self._commit(pending), pending.snapshot, pending.snapshot_ready)
             finally:
-                if pending in self._pending_outputs:
+                if pending in self._pending_outputs:  # not after close() or a reset
                     self._pending_outputs.remove(pending)
-                for request_id in pending.request_ids:
-                    state = self._requests.get(request_id)
-                    if state is None:
-                        continue
-                    state.pending_outputs -= 1
-                    if state.finished and state.pending_outputs == 0:
-                        self._teardown(request_id)
+                    slots = pending.slots
+                    self._pending[slots] -= 1
+                    for i in np.flatnonzero(self._finished[slots] & (self._pending[slots] == 0)).tolist():
+                        self._teardown(pending.request_ids[i])
 
     def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
         if pending.num_sampled is None or pending.num_rejected is None:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
-        spans, emits, updates, rewinds, reattached = [], [], [], [], 0
-        for request_id, token_start, start, end, sampled, rejected in zip(
-            pending.request_ids,
-            pending.token_starts.tolist(),
-            pending.query_start_loc[:-1].tolist(),
-            pending.query_start_loc[1:].tolist(),
-            pending.num_sampled.tolist(),
-            pending.num_rejected.tolist(),
-            strict=True,
-        ):
-            state = self._requests[request_id]
-            num_rows = end - start
-            if num_rows <= 0 or not 0 <= rejected <= num_rows:
-                raise ConnectorStateError(
-                    f"request {request_id!r}: invalid step rows ({num_rows} scheduled, {rejected} rejected)"
-                )
-            capture_start, emit_start = token_start, state.emit_cursor
-            cursor = state.capture_cursor if state.capture_cursor is not None else capture_start
-            if capture_start < cursor:
-                # vLLM rolled the request back (KV blocks failed to load; recompute policy) and
-                # dropped that step's output: rows from there on came from the failed KV.
-                # Recapture them, and emit again from where the scheduler now starts.
-                rewinds.append((request_id, capture_start))
-                emit_start = min(emit_start, pending.emit_starts.get(request_id, emit_start))
-            elif capture_start > cursor:
-                # Async scheduling assumed every draft was accepted; re-attach at the cursor.
-                if cursor >= state.scheduled_cursor:
-                    raise ConnectorStateError(
-                        f"request {request_id!r}: rows [{cursor}, {capture_start}) were never scheduled"
-                    )
-                capture_start = cursor
-                reattached += 1
-            token_end = capture_start + num_rows - rejected
-            spans.append((request_id, capture_start, start, num_rows - rejected))
-            if sampled > 0 and emit_start <= token_end:
-                emits.append((request_id, emit_start, token_end))
-            updates.append((state, token_end, token_start + num_rows, emit_start))
-        for request_id, position in rewinds:
-            self._cache.rewind(request_id, position)
-        self._rollbacks += len(rewinds)
-        self._cache.capture_from(pending.snapshot, spans)
-        for state, token_end, scheduled_end, emit_start in updates:
-            state.capture_cursor = token_end
-            state.scheduled_cursor = scheduled_end
-            state.emit_cursor = emit_start  # lower only after a roll-back
-        self._reattachments += reattached
-        packed, offsets = self._cache.read_packed(emits)
+        request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
+        n = len(request_ids)
+        row_starts = pending.query_start_loc[:-1]
+        num_rows = pending.query_start_loc[1:] - row_starts
+        sampled, rejected = (np.asarray(counts, dtype=np.int64)[:n] for counts in (pending.num_sampled, pending.num_rejected))
+        if len(sampled) != n or len(rejected) != n:
+            raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
+        invalid = np.flatnonzero((num_rows <= 0) | (rejected < 0) | (rejected > num_rows))
+        if len(invalid):
+            i = invalid[0]
+            raise ConnectorStateError(
+                f"request {request_ids[i]!r}: invalid step rows ({num_rows[i]} scheduled, {rejected[i]} rejected)"
+            )
+        captured = self._capture_cursor[slots]
+        cursor = np.where(captured >= 0, captured, token_starts)
+        # Async scheduling assumed every draft was accepted: re-attach at the cursor, which
+        # must lie inside what the scheduler ran.
+        reattach = token_starts > cursor
+        unscheduled = np.flatnonzero(reattach & (cursor >= self._scheduled_cursor[slots]))
+        if len(unscheduled):
+            i = unscheduled[0]
+            raise ConnectorStateError(
+                f"request {request_ids[i]!r}: rows [{cursor[i]}, {token_starts[i]}) were never scheduled"
+            )
+        capture_starts = np.where(reattach, cursor, token_starts)
+        emit_starts = self._emit_cursor[slots]
+        # vLLM rolled a request back (KV blocks failed to load; recompute policy) and dropped
+        # that step's output: rows from there on came from the failed KV. Recapture them, and
+        # emit again from where the scheduler now starts.
+        rollbacks = np.flatnonzero(token_starts < cursor).tolist()
+        for i in rollbacks:
+            emit_starts[i] = min(emit_starts[i], pending.emit_starts.get(request_ids[i], emit_starts[i]))
+        counts = num_rows - rejected
+        token_ends = capture_starts + counts
+        for i in rollbacks:
+            self._cache.rewind(request_ids[i], int(token_starts[i]))
+        self._rollbacks += len(rollbacks)
+        self._cache.capture_batch(pending.snapshot, request_ids, capture_starts, row_starts, counts, slots=slots)
+        self._capture_cursor[slots] = token_ends
+        self._scheduled_cursor[slots] = token_starts + num_rows
+        self._emit_cursor[slots] = emit_starts  # lower only after a roll-back
+        self._reattachments += int(reattach.sum())
+        emitting = (sampled > 0) & (emit_starts <= token_ends)
+        if not emitting.all():
+            pick = np.flatnonzero(emitting)
+            request_ids, slots = [request_ids[i] for i in pick.tolist()], slots[pick]
+            emit_starts, token_ends = emit_starts[pick], token_ends[pick]
+        packed, offsets = self._cache.read_batch(request_ids, emit_starts, token_ends, slots=slots)
         host_rows = packed.cpu().numpy()
-        for request_id, _, token_end in emits:
-            self._requests[request_id].emit_cursor = token_end
-        return {
-            request_id: AuxRequestOutput(emit_start, host_rows[offsets[i] : offsets[i + 1]])
-            for i, (request_id, emit_start, _) in enumerate(emits)
-        }
+        self._emit_cursor[slots] = token_ends
+        return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), np.split(host_rows, offsets[1:-1]))))
 
     def _teardown(self, request_id: str) -> None:
-        del self._requests[request_id]
+        del self._slot_of[request_id]
         self._cache.finish(request_id)
 
     def close(self) -> None:
         with self._lock:
             self._pending_outputs.clear()
-            self._requests.clear()
+            self._clear()
             self._cache = None
 
 

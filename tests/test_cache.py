@@ -1024,3 +1024,52 @@ def test_rewind_drops_rows_computed_on_failed_kv_and_recaptures_them(make_cache,
     with pytest.raises(InvalidCaptureError, match="page boundary"):
         cache.rewind("s", 2)  # inside a prefix block: rows [0, 2) alone cannot be kept
     assert_accounting(cache)
+
+
+def test_batched_calls_match_the_per_request_calls_and_refuse_a_stale_slot(make_cache, gen):
+    """capture_batch / read_batch give what capture_from / read_packed give; a slot kept past
+    its request's finish (and reused by another request) is refused, never read through."""
+    batched, plain = make_cache(8, page_size=4), make_cache(8, page_size=4)
+    source = rand_rows(gen, 12)
+    for cache in (batched, plain):
+        cache.capture("a", 0, source[:3])
+        cache.add_block_hashes("b", [h("p", 0)])
+        cache.capture("p", 0, source[:4])
+        cache.add_block_hashes("p", [h("p", 0)])
+    slots = batched.slots(["a", "b"])
+    batched.capture_batch(source, ["a", "b"], [3, 4], [3, 6], [6, 5], slots=slots)
+    plain.capture_from(source, [("a", 3, 3, 6), ("b", 4, 6, 5)])
+    packed, offsets = batched.read_batch(["b", "a"], [0, 1], [9, 9], slots=slots[::-1])
+    expected, expected_offsets = plain.read_packed([("b", 0, 9), ("a", 1, 9)])
+    assert_rows(packed, expected)
+    assert offsets.tolist() == expected_offsets
+    batched.finish("a")
+    batched.capture("c", 0, source[:2])  # takes a's freed slot
+    assert batched.slots(["c"])[0] == slots[0]
+    before = batched.stats(), batched.page_states(), batched.pages.clone()
+    for call in (
+        lambda: batched.read_batch(["a"], [0], [2], slots=slots[:1]),
+        lambda: batched.capture_batch(source, ["a"], [2], [0], [1], slots=slots[:1]),
+    ):
+        with pytest.raises(RoutedExpertsCacheError, match="does not belong"):
+            call()
+        assert (batched.stats(), batched.page_states()) == before[:2] and torch.equal(batched.pages, before[2])
+    assert_accounting(batched)
+
+
+def test_a_batch_takes_the_pages_its_copy_wrote_when_a_first_capture_frees_a_stale_page(make_cache, gen):
+    """Once: a first capture in the same capture_batch settled a recomputed block, freeing its
+    stale published page before the continuing spans took theirs, so a continuing span's rows
+    were written to one page and its block table pointed at another (wrong rows, no error)."""
+    cache = make_cache(4, page_size=2)
+    source = rand_rows(gen, 4)
+    cache.capture("b", 0, source[:1])  # a one-row tail
+    for tag in ("x", "e1", "e2"):  # three evictable published pages, x oldest; nothing free
+        cache.capture(tag, 0, rand_rows(gen, 2))
+        cache.add_block_hashes(tag, [h(tag, 0)])
+        cache.finish(tag)
+    cache.add_block_hashes("r", [h("x", 0)])  # pins x; r then recomputes that block itself
+    cache.capture_batch(source, ["r", "b"], [0, 1], [0, 2], [2, 2])
+    assert_rows(cache.read("b", 0, 3), u8(torch.cat([source[:1], source[2:4]])))
+    assert_rows(cache.read("r", 0, 2), u8(source[:2]))
+    assert_accounting(cache)

@@ -20,12 +20,16 @@ def test_host_benchmark_small_run(tmp_path):
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "lookahead-1 trace: routed-experts-cache returned every row" in done.stdout
+    assert "lookahead-1 trace: routed-experts-cache returned every row exactly" in done.stdout
     assert "lookahead-1 trace: vllm-0.33-builtin crashed: AssertionError" in done.stdout
     with open(tmp_path / "host_overhead.csv") as f:
         rows = {r["impl"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"routed-experts-cache", "vllm-0.33-builtin"}
+    hooks = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
     for row in rows.values():
         assert int(row["concurrency"]) == 16 and float(row["median_ms"]) > 0
-    assert float(rows["vllm-0.33-builtin"]["ratio_to_vllm"]) == 1.0
+        assert all(float(row[f"{hook}_cpu_ms"]) >= 0 for hook in hooks)
+        assert float(row["host_only_cpu_median_ms"]) <= float(row["cpu_median_ms"])
+    assert float(rows["vllm-0.33-builtin"]["cpu_ratio_to_vllm"]) == 1.0
+    assert float(rows["routed-experts-cache"]["cpu_ratio_to_vllm"]) > 0
     assert (tmp_path / "host_overhead.png").stat().st_size > 0
