@@ -749,12 +749,17 @@ class RoutedExpertsCache:
         pages = self._table[slots[pick][span], block]
         source_rows, target_rows = [pages * size + first - block * size], [offsets[pick][span] + first - starts[pick][span]]
         lengths = [end - first]
-        for i in np.flatnonzero(~own).tolist():
-            seg_source_row, seg_start = [], [0]
-            self._append_segments(request_ids[i], starts[i].item(), ends[i].item(), seg_source_row, seg_start)
+        others = np.flatnonzero(~own).tolist()
+        if others:  # one Python walk per interval: segments land at their packed offsets directly
+            seg_source_row, seg_target_row, seg_end = [], [], []
+            for i in others:
+                seg_start = [int(offsets[i])]
+                self._append_segments(request_ids[i], starts[i].item(), ends[i].item(), seg_source_row, seg_start)
+                seg_target_row += seg_start[:-1]
+                seg_end += seg_start[1:]
             source_rows.append(np.array(seg_source_row, dtype=np.int64))
-            target_rows.append(offsets[i] + np.array(seg_start[:-1], dtype=np.int64))
-            lengths.append(np.diff(seg_start))
+            target_rows.append(np.array(seg_target_row, dtype=np.int64))
+            lengths.append(np.array(seg_end, dtype=np.int64) - target_rows[-1])
         total = int(offsets[-1])
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
         self._copy_on_device(

@@ -344,7 +344,9 @@ class CacheWorkerConnector:
         packed, offsets = self._cache.read_batch(request_ids, emit_starts, token_ends, slots=slots)
         host_rows = packed.cpu().numpy()
         self._emit_cursor[slots] = token_ends
-        return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), np.split(host_rows, offsets[1:-1]))))
+        bounds = offsets.tolist()
+        return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), map(host_rows.__getitem__, map(
+            slice, bounds[:-1], bounds[1:])))))
 
     def _teardown(self, request_id: str) -> None:
         del self._slot_of[request_id]
