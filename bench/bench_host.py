@@ -104,11 +104,14 @@ class _RecordedPending:
         return out
 
 
-def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0):
-    """Run the real scheduler for ``steps`` steps at ``concurrency`` live requests."""
+def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0, output_tokens=(24, 96)):
+    """Run the real scheduler for ``steps`` steps at ``concurrency`` live requests, each
+    generating a random number of tokens in ``output_tokens`` (short outputs: many requests
+    start and finish every step)."""
+    kv_blocks_per_request = 24 + output_tokens[1] // BLOCK
     rng = np.random.default_rng(seed)
     setup = make_scheduler(
-        lookahead=lookahead, num_spec_tokens=NUM_SPEC, async_scheduling=True, num_blocks=concurrency * 24 + 256,
+        lookahead=lookahead, num_spec_tokens=NUM_SPEC, async_scheduling=True, num_blocks=concurrency * kv_blocks_per_request + 256,
         max_num_seqs=concurrency, max_num_batched_tokens=max(2048, 8 * concurrency), max_model_len=1024,
         block_size=BLOCK,
     )
@@ -124,7 +127,7 @@ def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0
         live = len(engine.requests) - len(engine.finished)
         for _ in range(concurrency - live):
             prompt = prefixes[added % 4] + random_prompt(rng, int(rng.integers(16, 112)))
-            engine.add(make_request(setup, f"r{added}", prompt, int(rng.integers(24, 96))))
+            engine.add(make_request(setup, f"r{added}", prompt, int(rng.integers(*output_tokens))))
             added += 1
 
     for _ in range(steps):
@@ -229,8 +232,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_rss(impl: str, concurrency: int, steps: int) -> dict:
-    setup, events, _ = record_trace(concurrency, steps)
+def measure_rss(impl: str, concurrency: int, steps: int, output_tokens) -> dict:
+    setup, events, _ = record_trace(concurrency, steps, output_tokens=output_tokens)
     gc.collect()
     before = rss_bytes()
     result = replay(setup, events, builders()[impl])
@@ -272,10 +275,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved replays per connector")
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
+                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
     parser.add_argument("--rss", nargs=2, metavar=("IMPL", "CONCURRENCY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss:
-        print(json.dumps(measure_rss(args.rss[0], int(args.rss[1]), args.steps)))
+        print(json.dumps(measure_rss(args.rss[0], int(args.rss[1]), args.steps, args.output_tokens)))
         return
 
     # With EAGLE/MTP lookahead hashing on (vLLM 0.33's default), vLLM's own connector cannot
@@ -295,7 +300,7 @@ def main() -> None:
     rows = []
     for concurrency in args.concurrency:
         started = time.perf_counter()
-        setup, events, trace = record_trace(concurrency, args.steps)
+        setup, events, trace = record_trace(concurrency, args.steps, output_tokens=args.output_tokens)
         print(f"[{concurrency:5d} requests] trace: {args.steps} steps, {trace['requests']} requests, "
               f"{trace['finished']} finished ({time.perf_counter() - started:.1f} s)", flush=True)
         timings = {impl: [] for impl in builders()}
@@ -309,10 +314,14 @@ def main() -> None:
             raise SystemExit(f"outputs differ between the two connectors at concurrency {concurrency}")
         for impl, samples in timings.items():
             rss = json.loads(subprocess.run(
-                [sys.executable, __file__, "--steps", str(args.steps), "--rss", impl, str(concurrency)],
+                [sys.executable, __file__, "--steps", str(args.steps), "--rss", impl, str(concurrency),
+                 "--output-tokens", *map(str, args.output_tokens)],
                 capture_output=True, text=True, check=True,
             ).stdout.strip().splitlines()[-1])
-            rows.append({**summarize(impl, concurrency, samples), "rss_growth_MiB": rss["rss_growth_MiB"]})
+            rows.append({
+                **summarize(impl, concurrency, samples), "output_tokens": "{}-{}".format(*args.output_tokens),
+                "requests_in_trace": trace["requests"], "rss_growth_MiB": rss["rss_growth_MiB"],
+            })
         ours, theirs = rows[-2], rows[-1]
         for row in (ours, theirs):
             row["cpu_ratio_to_vllm"] = row["cpu_median_ms"] / theirs["cpu_median_ms"]
@@ -324,7 +333,8 @@ def main() -> None:
               f"wall {ours['wall_ratio_to_vllm']:.3f}", flush=True)
     print()
     print_table(rows, list(rows[0]))
-    csv_path = save_csv(rows, "host_overhead.csv", torch.device("cpu"))
+    name = "host_overhead.csv" if args.output_tokens == [24, 96] else "host_overhead_out{}-{}.csv".format(*args.output_tokens)
+    csv_path = save_csv(rows, name, torch.device("cpu"))
     plot(rows, csv_path.with_suffix(".png"))
     print(f"wrote {csv_path.with_suffix('.png')}")
 

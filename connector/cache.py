@@ -91,10 +91,11 @@ def _index_array(values, what: str, length: int, error: type[RoutedExpertsCacheE
     return array.astype(np.int64, copy=False)
 
 
-def _check_hashes(hashes: list, what: str) -> None:
+def _check_hashes(hashes: list, what: str, request_id=None) -> None:
     for block_hash in hashes:
         if type(block_hash) is not bytes or not block_hash:
-            raise InvalidCaptureError(f"{what} must be non-empty bytes, got {block_hash!r}")
+            where = f"request {request_id!r}: " if request_id is not None else ""
+            raise InvalidCaptureError(f"{where}{what} must be non-empty bytes, got {block_hash!r}")
 
 
 def _format_ranges(ranges: list[tuple[int, int]]) -> str:
@@ -618,8 +619,9 @@ class RoutedExpertsCache:
         published one.
         """
         _check_request_id(request_id)
-        hashes = _as_list(hashes, f"request {request_id!r}: block hashes")
-        _check_hashes(hashes, f"request {request_id!r}: block hashes")
+        if type(hashes) is not list:
+            hashes = _as_list(hashes, f"request {request_id!r}: block hashes")
+        _check_hashes(hashes, "block hashes", request_id)
         request = self._requests.get(request_id)
         if request is None:
             request = _Request()
@@ -697,7 +699,8 @@ class RoutedExpertsCache:
                     self._free.append(stale_page)
                 self._index[block_hash] = request.own_pages[request.num_settled]
                 self._counters["published_blocks"] += 1
-                self._pin([block_hash])
+                self._pins[block_hash] += 1  # _pin of one hash, inlined: once per published block
+                self._evictable.pop(block_hash, None)
             request.num_settled += 1
 
     # -------------------------------------------------------------------- read
