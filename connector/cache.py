@@ -84,6 +84,8 @@ def _index_array(values, what: str, length: int, error: type[RoutedExpertsCacheE
         array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise error(f"{what} must be integers, got {type(values).__name__}: {exc}") from exc
+    if array.shape == (0,) and length == 0:
+        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64
     if array.dtype.kind not in "iu" or array.shape != (length,):
         raise error(f"{what} must be {length} integers, got {array.dtype} of shape {array.shape}")
     if array.dtype == np.uint64 and length and array.max() > np.iinfo(np.int64).max:

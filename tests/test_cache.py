@@ -1043,6 +1043,10 @@ def test_batched_calls_match_the_per_request_calls_and_refuse_a_stale_slot(make_
     expected, expected_offsets = plain.read_packed([("b", 0, 9), ("a", 1, 9)])
     assert_rows(packed, expected)
     assert offsets.tolist() == expected_offsets
+    before = batched.stats()
+    batched.capture_batch(source[:0], [], [], [], [])  # empty batches, plain lists: a no-op
+    packed, offsets = batched.read_batch([], [], [])
+    assert packed.shape == (0, *ROW) and offsets.tolist() == [0] and batched.stats() == before
     batched.finish("a")
     batched.capture("c", 0, source[:2])  # takes a's freed slot
     assert batched.slots(["c"])[0] == slots[0]
