@@ -4,21 +4,9 @@
 connector lives in ``routed_experts_cache.connector.vllm_worker`` and imports vLLM itself.
 """
 
-from .connector import (
-    CacheFullError,
-    InvalidCaptureError,
-    RangeUnavailableError,
-    RoutedExpertsCache,
-    RoutedExpertsCacheError,
-)
+from . import connector
+from .connector import *  # noqa: F401,F403  (the cache and its errors: connector.__all__)
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "CacheFullError",
-    "InvalidCaptureError",
-    "RangeUnavailableError",
-    "RoutedExpertsCache",
-    "RoutedExpertsCacheError",
-    "__version__",
-]
+__all__ = [*connector.__all__, "__version__"]
