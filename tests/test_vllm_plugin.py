@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 import pytest
 import vllm
 
-from routed_experts_cache.connector import vllm_plugin, vllm_worker
+from routed_experts_cache.connector import RoutedExpertsCacheError, vllm_plugin, vllm_worker
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
 RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -37,12 +37,30 @@ def test_supported_version_replaces_the_worker_factory(vllm_modules, monkeypatch
     assert original is not vllm_worker.get_aux_output_connector
 
 
-def test_off_switch_leaves_vllm_untouched(vllm_modules, monkeypatch):
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " off "])
+def test_off_switch_leaves_vllm_untouched(vllm_modules, monkeypatch, value):
     worker, runner, original = vllm_modules
-    monkeypatch.setenv("ROUTED_EXPERTS_CACHE", "0")
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE", value)
     assert vllm_plugin.register() is False
     assert worker.get_aux_output_connector is original
     assert runner.get_aux_output_connector is original
+
+
+@pytest.mark.parametrize("value", ["1", "true", "On"])
+def test_on_values_install_the_connector(vllm_modules, monkeypatch, value):
+    worker, _, _ = vllm_modules
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE", value)
+    assert vllm_plugin.register() is True
+    assert worker.get_aux_output_connector is vllm_worker.get_aux_output_connector
+
+
+@pytest.mark.parametrize("value", ["", "2", "yes", "no", "disabled"])
+def test_other_switch_values_stop_the_start_and_name_the_accepted_ones(vllm_modules, monkeypatch, value):
+    worker, _, original = vllm_modules
+    monkeypatch.setenv("ROUTED_EXPERTS_CACHE", value)
+    with pytest.raises(RoutedExpertsCacheError, match=r"ROUTED_EXPERTS_CACHE=.*1, true or on.*0, false or off"):
+        vllm_plugin.register()
+    assert worker.get_aux_output_connector is original
 
 
 @pytest.mark.parametrize("version", ["0.31.0", "0.34.0", "1.0.0", "0.3.2"])

@@ -9,10 +9,14 @@ import logging
 import os
 import sys
 
+from .errors import RoutedExpertsCacheError
+
 SUPPORTED_VERSIONS = ("0.32.", "0.33.")
 ENV_SWITCH = "ROUTED_EXPERTS_CACHE"
 _WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 _RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+_SWITCH_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 # A child of vLLM's logger, so lines show with vLLM's format once vLLM configures logging
 # (after plugins load: the "active" line is therefore logged by the worker connector).
@@ -23,10 +27,28 @@ def is_supported(version: str) -> bool:
     return version.startswith(SUPPORTED_VERSIONS)
 
 
+def switched_on() -> bool:
+    """``ROUTED_EXPERTS_CACHE``: unset, 1 / true / on (any case) -> on; 0 / false / off -> off.
+
+    Any other value stops vLLM's start (plugins run unguarded there) with a message naming the
+    accepted values, rather than silently choosing a path.
+    """
+    raw = os.environ.get(ENV_SWITCH, "1")
+    value = raw.strip().lower()
+    if value not in _SWITCH_VALUES:
+        raise RoutedExpertsCacheError(
+            f"{ENV_SWITCH}={raw!r} is not understood; use 1, true or on (the default) or 0, false or off"
+        )
+    return _SWITCH_VALUES[value]
+
+
 def register() -> bool:
     """Install the cache-backed worker connector; return whether it is active."""
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
-        logger.info("routed-experts-cache: off (%s=0); vLLM's built-in routed-experts path runs", ENV_SWITCH)
+    if not switched_on():
+        logger.info(
+            "routed-experts-cache: off (%s=%s); vLLM's built-in routed-experts path runs", ENV_SWITCH,
+            os.environ[ENV_SWITCH],
+        )
         return False
     import vllm
 
