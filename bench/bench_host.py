@@ -19,7 +19,7 @@ On this CPU machine our connector's scatter/gather run as torch CPU ops inside
 shows our CPU time both in full and without the row copies (``host_only``: the bookkeeping a
 GPU deployment keeps on the host); vLLM's connector does all of its work on the host on
 any machine. Resident memory is measured in a separate process per connector (``--rss``).
-Results go to a new folder under bench/results/ (or ``$OUT``).
+Results go to a new git-ignored folder under bench/out/ (or ``$OUT``).
 """
 
 import argparse

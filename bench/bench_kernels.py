@@ -199,8 +199,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"kernel benchmark on {machine_label(device)}", flush=True)
-    peak = peak_copy_bandwidth(device)
     results = run(device, args.quick)
+    # The best device copy seen, a large one or any measured point (small copies that fit a
+    # cache run faster than a large one): the line never sits below a measured copy.
+    peak = max([peak_copy_bandwidth(device)] + [r["GBps"] for r in results if r["op"] == "copy"])
     for row in results:
         row["frac_of_peak_copy"] = row["GBps"] / peak
     print(f"\npeak device copy: {peak:.1f} GB/s (read + written)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = Path(__file__).resolve().parent / "out"  # git-ignored; committed results go in bench/results/
 
 
 def machine_label(device: torch.device) -> str:
@@ -20,13 +20,13 @@ def machine_label(device: torch.device) -> str:
 
 
 def results_dir(device: torch.device) -> Path:
-    """``$OUT`` when set (the GPU machine, ``bench/run_*.sh``), else a new folder
-    ``bench/results/<date>T<time>-<machine>/``: a run never overwrites committed results."""
+    """``$OUT`` when set (the GPU machine, ``bench/run_*.sh``), else a new git-ignored folder
+    ``bench/out/<date>T<time>-<machine>/``: a run never touches committed results."""
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"])
     else:
         stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-        path = RESULTS / f"{stamp}-{machine_label(device)}"
+        path = RUNS / f"{stamp}-{machine_label(device)}"
         os.environ["OUT"] = str(path)  # one folder for everything this process writes
     path.mkdir(parents=True, exist_ok=True)
     return path

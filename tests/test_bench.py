@@ -43,6 +43,8 @@ def test_kernel_benchmark_quick_run_writes_csv_and_plot(tmp_path):
     for row in rows:
         assert float(row["us"]) > 0 and float(row["GBps"]) > 0 and 0 < float(row["frac_of_peak_copy"])
         assert int(row["bytes_moved"]) == 2 * int(row["total_rows"]) * int(row["row_bytes"])
+    # The plot's "peak device copy" line never sits below a measured device copy.
+    assert max(float(r["frac_of_peak_copy"]) for r in rows if r["op"] == "copy") <= 1.0
 
 
 def test_memory_benchmark_sizes_every_model(tmp_path):
