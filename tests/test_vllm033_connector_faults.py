@@ -5,6 +5,7 @@ every other request's rows intact and readable. The concurrency test runs ``begi
 one thread and ``process_output`` on another, as vLLM does, for many steps.
 """
 
+import logging
 import queue
 import threading
 
@@ -16,7 +17,12 @@ from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMe
 
 from cpu_harness.vllm033 import SnapshotCapturer, build_our_connector, make_scheduler
 from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, ConnectorStateError
+from routed_experts_cache.connector.vllm_worker import (
+    LOG_INTERVAL_ENV,
+    CacheWorkerConnector,
+    ConnectorStateError,
+    log_interval,
+)
 
 
 
@@ -275,3 +281,40 @@ def test_ranks_without_a_cache_follow_the_steps_and_return_nothing():
     assert connector.cache is None
     assert connector.stats() == {"reattachments": 0, "rollbacks": 0, "requests_tracked": 0}
     connector.close()
+
+
+def test_stats_line_reports_pool_use_and_counters_since_the_last_line(caplog, monkeypatch):
+    driver = Driver()
+    driver.connector = CacheWorkerConnector(
+        capturer=driver.capturer, cache=driver.cache, max_concurrent_batches=2, stats_log_interval=1e-9
+    )
+    with caplog.at_level(logging.INFO, logger="vllm.routed_experts_cache"):
+        two_requests(driver)
+    lines = [r.getMessage() for r in caplog.records if "pool" in r.getMessage()]
+    assert len(lines) == 2  # one per processed step at this interval
+    stats = driver.cache.stats()
+    in_use = stats["num_pages"] - stats["free"]
+    assert f"({in_use} of {stats['num_pages']} pages: {stats['tail']} tail, {stats['pending']} pending" in lines[-1]
+    assert "2 requests" in lines[-1] and "1 rows captured, 1 read" in lines[-1]  # the second step alone
+    assert "11 rows captured, 11 read" in lines[0]
+    quiet = Driver()  # the default: no stats lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.routed_experts_cache"):
+        two_requests(quiet)
+    assert not [r for r in caplog.records if "pool" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, 10.0), ("0", 0.0), ("2.5", 2.5)])
+def test_log_interval_from_the_environment(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv(LOG_INTERVAL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LOG_INTERVAL_ENV, value)
+    assert log_interval() == seconds
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf", ""])
+def test_a_bad_log_interval_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(LOG_INTERVAL_ENV, value)
+    with pytest.raises(RoutedExpertsCacheError, match=LOG_INTERVAL_ENV):
+        log_interval()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from itertools import repeat
 from threading import Lock
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.routed_experts_cache")
 BACKEND_ENV = "ROUTED_EXPERTS_CACHE_BACKEND"
+LOG_INTERVAL_ENV = "ROUTED_EXPERTS_CACHE_LOG_INTERVAL"  # seconds between stats lines; 0 turns them off
+DEFAULT_LOG_INTERVAL = 10.0  # vLLM's own stats interval (VLLM_LOG_STATS_INTERVAL)
 
 
 class ConnectorStateError(RoutedExpertsCacheError):
@@ -93,9 +96,13 @@ class CacheWorkerConnector:
     request only where requests start, finish, roll back, or get new block hashes.
     """
 
-    def __init__(self, *, capturer, cache: RoutedExpertsCache | None, max_concurrent_batches: int) -> None:
+    def __init__(
+        self, *, capturer, cache: RoutedExpertsCache | None, max_concurrent_batches: int,
+        stats_log_interval: float = 0.0,
+    ) -> None:
         """``capturer`` provides ``snapshot_routing_data(num_tokens)`` (vLLM's capturer);
-        ``cache`` is None on ranks that keep no data (all but the first TP rank)."""
+        ``cache`` is None on ranks that keep no data (all but the first TP rank);
+        ``stats_log_interval``: seconds between stats log lines (0: none)."""
         self._capturer = capturer
         self._cache = cache
         self._generation = 0
@@ -106,6 +113,9 @@ class CacheWorkerConnector:
         self._side_stream = SideStream(cache.device) if cache is not None and cache.device.type == "cuda" else None
         self._reattachments = 0
         self._rollbacks = 0
+        self._stats_log_interval = stats_log_interval
+        self._stats_logged_at = time.monotonic()
+        self._stats_last: dict[str, int] = {}
         self._clear()
 
     def _clear(self) -> None:
@@ -284,12 +294,33 @@ class CacheWorkerConnector:
                     return self._commit(pending)
                 return self._side_stream.run(lambda: self._commit(pending), pending.snapshot, pending.snapshot_ready)
             finally:
+                if self._stats_log_interval and time.monotonic() - self._stats_logged_at >= self._stats_log_interval:
+                    self._log_stats()
                 if pending in self._pending_outputs:  # not after close() or a reset
                     self._pending_outputs.remove(pending)
                     slots = pending.slots
                     self._pending[slots] -= 1
                     for i in np.flatnonzero(self._finished[slots] & (self._pending[slots] == 0)).tolist():
                         self._teardown(pending.request_ids[i])
+
+    def _log_stats(self) -> None:
+        """One line in vLLM's log style: pool use by page state, and counters since the last line."""
+        if self._cache is None:
+            return
+        now = {**self._cache.stats(), "rollbacks": self._rollbacks, "reattachments": self._reattachments}
+        since = {key: now[key] - self._stats_last.get(key, 0) for key in (
+            "prefix_hit_rows", "captured_rows", "read_rows", "evictions", "rollbacks", "reattachments")}
+        in_use = now["num_pages"] - now["free"]
+        logger.info(
+            "routed-experts-cache: pool %.1f%% in use (%d of %d pages: %d tail, %d pending, %d duplicate, "
+            "%d published of which %d evictable); %d requests; since the last line: %d rows captured, "
+            "%d read, %d prefix-hit rows, %d evictions, %d roll-backs, %d re-attachments",
+            100.0 * in_use / now["num_pages"], in_use, now["num_pages"], now["tail"], now["pending"],
+            now["duplicate"], now["published"], now["evictable"], len(self._slot_of), since["captured_rows"],
+            since["read_rows"], since["prefix_hit_rows"], since["evictions"], since["rollbacks"], since["reattachments"],
+        )
+        self._stats_last = now
+        self._stats_logged_at = time.monotonic()
 
     def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
         if pending.num_sampled is None or pending.num_rejected is None:
@@ -412,5 +443,18 @@ def get_aux_output_connector(
             cache.dtype, cache.backend,
         )
     return CacheWorkerConnector(
-        capturer=capturer, cache=cache, max_concurrent_batches=vllm_config.max_concurrent_batches
+        capturer=capturer, cache=cache, max_concurrent_batches=vllm_config.max_concurrent_batches,
+        stats_log_interval=log_interval(),
     )
+
+
+def log_interval() -> float:
+    """``ROUTED_EXPERTS_CACHE_LOG_INTERVAL`` (seconds, default 10; 0 turns the stats line off)."""
+    raw = os.environ.get(LOG_INTERVAL_ENV, str(DEFAULT_LOG_INTERVAL))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or math.isinf(seconds):
+        raise RoutedExpertsCacheError(f"{LOG_INTERVAL_ENV}={raw!r} must be a number of seconds >= 0 (0: no stats lines)")
+    return seconds
