@@ -110,6 +110,9 @@ def test_scenarios_exercise_what_they_claim(runs):
     assert len(plugin["abort"]["requests"]) == 3  # two survivors and the later prefix-sharing request
 
 
-def test_worker_logs_that_it_is_active(runs):
+def test_worker_logs_that_it_is_active_or_off(runs):
     assert "routed-experts-cache: active" in runs["plugin"]["log"]
     assert "routed-experts-cache: active" not in runs["builtin"]["log"]
+    # The off line is printed while vLLM's logging is not configured yet, so it shows too.
+    assert "routed-experts-cache: off (ROUTED_EXPERTS_CACHE=0)" in runs["builtin"]["log"]
+    assert "routed-experts-cache: off" not in runs["plugin"]["log"]

@@ -1,5 +1,6 @@
 """The ``vllm.general_plugins`` entry point: version gate, off switch, what it replaces."""
 
+import contextlib
 import importlib
 import logging
 from importlib.metadata import entry_points
@@ -68,10 +69,37 @@ def test_unsupported_version_is_refused_with_a_warning(vllm_modules, monkeypatch
     worker, runner, original = vllm_modules
     monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
     monkeypatch.setattr(vllm, "__version__", version)
-    with caplog.at_level(logging.WARNING, logger="vllm.routed_experts_cache"):
+    with vllm_logging_configured(), caplog.at_level(logging.WARNING, logger="vllm.routed_experts_cache"):
         assert vllm_plugin.register() is False
     assert worker.get_aux_output_connector is original and runner.get_aux_output_connector is original
     assert any(version in r.getMessage() and "not supported" in r.getMessage() for r in caplog.records)
+
+
+@contextlib.contextmanager
+def vllm_logging_configured():
+    """vLLM's logger with a handler, as once vLLM has applied its logging config."""
+    handler = logging.NullHandler()
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+
+
+@pytest.mark.parametrize("case", ["off", "unsupported"])
+def test_state_line_shows_before_vllm_configures_logging(vllm_modules, monkeypatch, capsys, case):
+    """Plugins load before vLLM applies its logging config: the line goes to stderr then."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])
+    if case == "off":
+        monkeypatch.setenv("ROUTED_EXPERTS_CACHE", "off")
+    else:
+        monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
+        monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    assert vllm_plugin.register() is False
+    err = capsys.readouterr().err
+    expected = "INFO" if case == "off" else "WARNING"
+    line = next(line for line in err.splitlines() if "routed-experts-cache:" in line)
+    assert line.startswith(expected) and ("off (ROUTED_EXPERTS_CACHE=off)" in line or "0.34.0 is not supported" in line)
 
 
 @pytest.mark.parametrize(("version", "supported"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.330.0", False), ("0.31.9", False)])

@@ -8,6 +8,7 @@ scheduler-side connector stays. ``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in
 import logging
 import os
 import sys
+import time
 
 from .errors import RoutedExpertsCacheError
 
@@ -21,6 +22,17 @@ _SWITCH_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": Fals
 # A child of vLLM's logger, so lines show with vLLM's format once vLLM configures logging
 # (after plugins load: the "active" line is therefore logged by the worker connector).
 logger = logging.getLogger("vllm.routed_experts_cache")
+
+
+def _log_state(level: int, message: str, *args) -> None:
+    """Log the plugin's state so that it shows in every run: through vLLM's logging when it is
+    configured, else (plugins load before vLLM applies its logging config, where an INFO line
+    would be dropped) straight to stderr in vLLM's layout."""
+    if logging.getLogger("vllm").handlers:
+        logger.log(level, message, *args)
+    else:
+        stamp = time.strftime("%m-%d %H:%M:%S")
+        print(f"{logging.getLevelName(level)} {stamp} [vllm_plugin.py] {message % args}", file=sys.stderr, flush=True)
 
 
 def is_supported(version: str) -> bool:
@@ -45,16 +57,16 @@ def switched_on() -> bool:
 def register() -> bool:
     """Install the cache-backed worker connector; return whether it is active."""
     if not switched_on():
-        logger.info(
-            "routed-experts-cache: off (%s=%s); vLLM's built-in routed-experts path runs", ENV_SWITCH,
+        _log_state(
+            logging.INFO, "routed-experts-cache: off (%s=%s); vLLM's built-in routed-experts path runs", ENV_SWITCH,
             os.environ[ENV_SWITCH],
         )
         return False
     import vllm
 
     if not is_supported(vllm.__version__):
-        logger.warning(
-            "routed-experts-cache: vLLM %s is not supported (supported: 0.32.x, 0.33.x); "
+        _log_state(
+            logging.WARNING, "routed-experts-cache: vLLM %s is not supported (supported: 0.32.x, 0.33.x); "
             "vLLM is left untouched and its built-in routed-experts path runs",
             vllm.__version__,
         )
