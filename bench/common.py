@@ -2,6 +2,7 @@
 
 import csv
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -22,14 +23,15 @@ def machine_label(device: torch.device) -> str:
 def results_dir(device: torch.device) -> Path:
     """``$OUT`` when set (the GPU machine, ``bench/run_*.sh``), else a new git-ignored folder
     ``bench/out/<date>T<time>-<machine>/``: a run never touches committed results."""
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"])
-    else:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-        path = RUNS / f"{stamp}-{machine_label(device)}"
-        os.environ["OUT"] = str(path)  # one folder for everything this process writes
+    path = Path(os.environ["OUT"]) if os.environ.get("OUT") else _new_run_dir(machine_label(device))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@functools.cache
+def _new_run_dir(machine: str) -> Path:
+    """One folder per process and machine, named when this process first writes."""
+    return RUNS / f"{datetime.datetime.now().strftime('%Y-%m-%dT%H%M%S')}-{machine}"
 
 
 def save_csv(rows: list[dict], name: str, device: torch.device) -> Path:

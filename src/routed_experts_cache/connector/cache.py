@@ -24,7 +24,6 @@ numpy operations; Python runs only per new page, per completed block and for the
 the arrays do not cover (first captures, prefix reads), which take the per-request path.
 """
 
-from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import chain, islice, repeat
@@ -411,15 +410,11 @@ class RoutedExpertsCache:
         if batch is not None:
             self._commit_batch(batch, pages[num_new_pages:])
         for _, request, *_ in plans:
-            if request.first_block + request.num_settled < min(self._cursor_of(request) // size, len(request.hashes)):
-                self._settle(request)
-        if batch is not None:
+            self._settle(request)
+        if batch is not None:  # only requests that completed a block can have one to settle
             slots, starts, _, counts, _ = batch
-            ends = starts + counts
-            for i in np.flatnonzero(ends // size > starts // size).tolist():
-                request = self._slot_requests[slots[i]]
-                if request.first_block + request.num_settled < min(int(ends[i]) // size, len(request.hashes)):
-                    self._settle(request)
+            for i in np.flatnonzero((starts + counts) // size > starts // size).tolist():
+                self._settle(self._slot_requests[slots[i]])
         self._counters["captured_rows"] += int(lengths.sum())
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
