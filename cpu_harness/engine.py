@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -15,10 +16,23 @@ ENGINE_ENV = {
 }
 
 
+# On PYTHONPATH, this folder's sitecustomize registers the stand-in Triton backend in processes
+# that vLLM spawns (tensor-parallel workers, the OpenAI server's engine core and worker).
+SPAWNED_SITE = Path(__file__).resolve().parent / "spawned"
+ROOT = SPAWNED_SITE.parents[1]
+
+
+def python_path_for_spawned(current: str | None) -> str:
+    """``PYTHONPATH`` that makes spawned interpreters register the backend and find this package."""
+    return os.pathsep.join([str(SPAWNED_SITE), str(ROOT)] + ([current] if current else []))
+
+
 def prepare_environment() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    if str(SPAWNED_SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = python_path_for_spawned(os.environ.get("PYTHONPATH"))
     from . import triton_cpu_backend  # noqa: F401  (registers the stand-in "cpu" backend)
 
 
@@ -44,14 +58,16 @@ def make_llm(model_path, **overrides):
 
 
 def connector_stats(llm) -> dict:
-    """The worker connector's class name and, for ours, its stats (cache and connector)."""
+    """The first worker's connector class name and, for ours, its stats (cache and connector);
+    ``ranks``: per worker, its connector class and whether it holds a pool."""
 
     def probe(worker):
         connector = worker.model_runner.aux_output_connector
         stats = connector.stats() if hasattr(connector, "stats") else None
         return {"class": type(connector).__name__, "stats": stats}
 
-    return llm.collective_rpc(probe)[0]
+    per_rank = llm.collective_rpc(probe)
+    return per_rank[0] | {"ranks": [{"class": r["class"], "pool": "num_pages" in (r["stats"] or {})} for r in per_rank]}
 
 
 def hf_routed_experts(model, token_ids) -> np.ndarray:

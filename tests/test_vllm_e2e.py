@@ -15,15 +15,8 @@ import numpy as np
 import pytest
 
 from cpu_harness.scenarios import SCENARIOS
-from cpu_harness.tiny_moe import build_tiny_eagle3_draft, build_tiny_qwen3_moe
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("models")
-    return build_tiny_qwen3_moe(base / "tiny-moe"), build_tiny_eagle3_draft(base / "tiny-eagle3")
 
 
 def _run_scenarios(model_dirs, out_path: Path, plugin: bool) -> dict:
@@ -43,25 +36,6 @@ def runs(model_dirs, tmp_path_factory):
         "plugin": _run_scenarios(model_dirs, base / "plugin.pkl", plugin=True),
         "builtin": _run_scenarios(model_dirs, base / "builtin.pkl", plugin=False),
     }
-
-
-@pytest.fixture(scope="session")
-def hf_reference(model_dirs):
-    import torch
-    from transformers import Qwen3MoeForCausalLM
-
-    from cpu_harness.engine import hf_routed_experts
-
-    model = Qwen3MoeForCausalLM.from_pretrained(model_dirs[0], torch_dtype=torch.float32).eval()
-    memo = {}
-
-    def reference(token_ids):
-        key = tuple(token_ids)
-        if key not in memo:
-            memo[key] = hf_routed_experts(model, token_ids)
-        return memo[key]
-
-    return reference
 
 
 SCENARIO_NAMES = list(SCENARIOS)
@@ -116,3 +90,11 @@ def test_worker_logs_that_it_is_active_or_off(runs):
     # The off line is printed while vLLM's logging is not configured yet, so it shows too.
     assert "routed-experts-cache: off (ROUTED_EXPERTS_CACHE=0)" in runs["builtin"]["log"]
     assert "routed-experts-cache: off" not in runs["plugin"]["log"]
+
+
+def test_tensor_parallel_workers_all_run_the_plugin_and_only_the_first_keeps_rows(runs):
+    plugin, builtin = runs["plugin"]["tensor_parallel"]["connector"], runs["builtin"]["tensor_parallel"]["connector"]
+    assert plugin["ranks"] == [{"class": "CacheWorkerConnector", "pool": True}, {"class": "CacheWorkerConnector", "pool": False}]
+    assert [r["class"] for r in builtin["ranks"]] == ["AuxOutputWorkerConnector"] * 2
+    assert "routed-experts-cache: active on tensor-parallel rank 1 of 2, without a pool" in runs["plugin"]["log"]
+    assert runs["plugin"]["tensor_parallel"]["connector"]["stats"]["prefix_hit_rows"] > 0

@@ -434,8 +434,14 @@ def get_aux_output_connector(
     )
     bind_routed_experts_capturer(model, capturer)
     # Every TP rank captures (the capture may all-gather); only the first keeps data.
-    cache = build_cache(vllm_config, kv_cache_config, capturer) if get_tp_group().is_first_rank else None
-    if cache is not None:
+    tp_group = get_tp_group()
+    cache = build_cache(vllm_config, kv_cache_config, capturer) if tp_group.is_first_rank else None
+    if cache is None:
+        logger.info(
+            "routed-experts-cache: active on tensor-parallel rank %d of %d, without a pool; rank 0 keeps "
+            "and returns the rows", tp_group.rank_in_group, tp_group.world_size,
+        )
+    else:
         logger.info(
             "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
             "(%.1f MiB, rows %s %s, backend %s)",
