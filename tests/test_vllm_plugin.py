@@ -111,3 +111,14 @@ def test_working_set_bound_matches_vllms_buffer_bound():
     # vLLM: mcb * (ceil(T / bs) + S) + S block slots for tails and unkeyed full blocks.
     assert vllm_worker.working_set_pages(16, 8192, 256, 2) == 2 * (512 + 256) + 256
     assert vllm_worker.working_set_pages(32, 100, 3, 1) == (4 + 3) + 3
+
+
+@pytest.mark.parametrize("item_size", [1, 8, 32])
+def test_unpack_hashes_gives_what_vllms_packed_hashes_yield(item_size):
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    data = bytes(range(256))[: item_size * 7]
+    packed = PackedBlockHashes(data=data, item_size=item_size)
+    assert vllm_worker.unpack_hashes(packed) == list(packed) and len(list(packed)) == 7
+    assert vllm_worker.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size)) == []
+    assert vllm_worker.unpack_hashes([b"a", b"bc"]) == [b"a", b"bc"]  # any other iterable: as a list

@@ -413,8 +413,8 @@ class RoutedExpertsCache:
             self._settle(request)
         if batch is not None:  # only requests that completed a block can have one to settle
             slots, starts, _, counts, _ = batch
-            for i in np.flatnonzero((starts + counts) // size > starts // size).tolist():
-                self._settle(self._slot_requests[slots[i]])
+            for slot in slots[(starts + counts) // size > starts // size].tolist():
+                self._settle(self._slot_requests[slot])
         self._counters["captured_rows"] += int(lengths.sum())
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
@@ -440,8 +440,9 @@ class RoutedExpertsCache:
             rows = np.repeat(slots, num_new)
             blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
             self._set_table(rows, blocks, pages)
-            for i in np.flatnonzero(num_new).tolist():
-                self._slot_requests[slots[i]].own_pages.extend(pages[offsets[i] : offsets[i] + num_new[i]])
+            growing = np.flatnonzero(num_new)
+            for slot, offset, count in zip(slots[growing].tolist(), offsets[growing].tolist(), num_new[growing].tolist()):
+                self._slot_requests[slot].own_pages.extend(pages[offset : offset + count])
         self._cursor[slots] = starts + counts
 
     def _released_by_first_captures(self, plans: list[tuple]) -> list[bytes]:

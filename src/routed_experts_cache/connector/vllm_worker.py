@@ -78,6 +78,15 @@ class PendingCacheOutput:
         return self.connector.process_output(self)
 
 
+def unpack_hashes(packed) -> list[bytes]:
+    """The hashes of vLLM's ``PackedBlockHashes`` (one bytes object, fixed-size items), sliced
+    in one comprehension instead of its per-item generator; other iterables as a list."""
+    data, size = getattr(packed, "data", None), getattr(packed, "item_size", None)
+    if type(data) is bytes and type(size) is int and size > 0:
+        return [data[i : i + size] for i in range(0, len(data), size)]
+    return list(packed)
+
+
 def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_concurrent_batches: int) -> int:
     """Pages for tails and pending blocks, beyond the pages that mirror the KV cache.
 
@@ -173,7 +182,7 @@ class CacheWorkerConnector:
             request_ids = list(metadata.requests)
             emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
             new_generation = self._check_metadata(metadata, request_ids, emit_starts)
-            hashes = {request_id: list(packed) for request_id, packed in metadata.block_hashes.items()}
+            hashes = {request_id: unpack_hashes(packed) for request_id, packed in metadata.block_hashes.items()}
             self._step_metadata = metadata
             if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
@@ -237,8 +246,8 @@ class CacheWorkerConnector:
 
     def _apply_pins(self, metadata: AuxOutputConnectorMetadata) -> None:
         """0.33's KV-aligned pins (absent in 0.32): retain first, then release, atomically."""
-        retained = list(getattr(metadata, "retained_block_hashes", None) or ())
-        released = list(getattr(metadata, "released_block_hashes", None) or ())
+        retained = unpack_hashes(getattr(metadata, "retained_block_hashes", None) or ())
+        released = unpack_hashes(getattr(metadata, "released_block_hashes", None) or ())
         self._cache.retain(retained)
         try:
             self._cache.release(released)
