@@ -97,6 +97,8 @@ def _serve(work: Path, model_dir, log_path: Path, plugin: bool, extra_env: dict,
     template = work / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     env = dict(os.environ)
+    # The API server always runs its engine core in a process of its own; the in-process switch
+    # of ENGINE_ENV is for LLM(...) runs only.
     env.update({key: value for key, value in ENGINE_ENV.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"})
     env.update(
         PYTHONPATH=python_path_for_spawned(env.get("PYTHONPATH")),

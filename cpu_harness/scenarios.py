@@ -12,6 +12,7 @@ import os
 import pickle
 import sys
 import time
+from unittest.mock import patch
 
 from .engine import connector_stats, make_llm, prepare_environment
 
@@ -159,24 +160,18 @@ def run(model_dir: str, draft_dir: str, names: list[str]) -> dict:
         }
         counter["preemptions"] = 0
         started = time.perf_counter()
-        saved_env = {key: os.environ.get(key) for key in SCENARIO_ENV.get(name, {})}
-        os.environ.update(SCENARIO_ENV.get(name, {}))
-        llm = make_llm(model_dir, **overrides)
-        requests = scenario(llm, sampling)
-        llm.generate([{"prompt_token_ids": [2, 3]}], sampling(max_tokens=1))  # delivers pending finish events
-        results[name] = {
-            "requests": requests,
-            "connector": connector_stats(llm),
-            "preemptions": counter["preemptions"],
-            "seconds": time.perf_counter() - started,
-        }
-        del llm
-        gc.collect()
-        for key, value in saved_env.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
+        with patch.dict(os.environ, SCENARIO_ENV.get(name, {})):  # restored after the scenario
+            llm = make_llm(model_dir, **overrides)
+            requests = scenario(llm, sampling)
+            llm.generate([{"prompt_token_ids": [2, 3]}], sampling(max_tokens=1))  # delivers pending finish events
+            results[name] = {
+                "requests": requests,
+                "connector": connector_stats(llm),
+                "preemptions": counter["preemptions"],
+                "seconds": time.perf_counter() - started,
+            }
+            del llm
+            gc.collect()
     return results
 
 
