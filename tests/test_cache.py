@@ -474,6 +474,22 @@ ERROR_CASES = {
         InvalidCaptureError,
         ["'new'", "7"],
     ),
+    "hashes_batch_bad_hash_in_a_later_list": (  # nothing is added for 'new' either
+        lambda c: c.add_block_hashes_batch(["new", "a"], [[b"new/0"], [h("a", 2), 7]]),
+        InvalidCaptureError,
+        ["'a'", "7"],
+    ),
+    "hashes_batch_lengths_differ": (
+        lambda c: c.add_block_hashes_batch(["new", "a"], [[b"new/0"]]),
+        InvalidCaptureError,
+        ["2 request ids", "1 block hash lists"],
+    ),
+    "hashes_batch_bad_id": (
+        lambda c: c.add_block_hashes_batch(["new", 1.5], [[b"new/0"], []]), RoutedExpertsCacheError, ["1.5"],
+    ),
+    "hashes_batch_one_bytes_value": (
+        lambda c: c.add_block_hashes_batch(["new"], [b"new/0"]), InvalidCaptureError, ["'new'", "sequence"],
+    ),
     "retain_not_bytes": (lambda c: c.retain([b"ok", "no"]), InvalidCaptureError, ["'no'"]),
     "release_not_pinned": (lambda c: c.release([b"never"]), RoutedExpertsCacheError, [b"never".hex()]),
     "release_more_than_pinned": (

@@ -224,6 +224,8 @@ CALLS = {
                          RoutedExpertsCacheError),
     "add_block_hashes sequence": (lambda c, a: c.add_block_hashes("a", a[0]), ([b"a1"],), ("sequence",),
                                   InvalidCaptureError),
+    "add_block_hashes_batch": (lambda c, a: c.add_block_hashes_batch([a[0]], [[a[1]]]), ("a", b"a1"),
+                               ("id", "hash"), RoutedExpertsCacheError),
     "retain": (lambda c, a: c.retain([a[0]]), (b"a0",), ("hash",), InvalidCaptureError),
     "retain sequence": (lambda c, a: c.retain(a[0]), ([b"a0"],), ("sequence",), InvalidCaptureError),
     "release": (lambda c, a: c.release([a[0]]), (b"a0",), ("hash",), InvalidCaptureError),

@@ -228,8 +228,11 @@ class CacheMachine(RuleBasedStateMachine):
         return list(r.hashes[: min(r.first_block, r.given)]) + own
 
     def _give(self, r: ModelRequest, n: int):
+        self.cache.add_block_hashes(r.rid, list(r.hashes[r.given : r.given + n]))
+        self._model_give(r, n)
+
+    def _model_give(self, r: ModelRequest, n: int):
         hs = list(r.hashes[r.given : r.given + n])
-        self.cache.add_block_hashes(r.rid, hs)
         r.registered = True
         r.given += n
         # pinned: the blocks read through the index (all, before the first capture)
@@ -388,6 +391,28 @@ class CacheMachine(RuleBasedStateMachine):
             return
         n = data.draw(st.integers(1, self._available_hashes(r) - r.given), label="n")
         self._give(r, n)
+        self._count("hash_deliveries")
+
+    @precondition(lambda self: self.cache is not None and self.live)
+    @rule(data=st.data())
+    def deliver_hashes_batch(self, data):
+        """One ``add_block_hashes_batch`` for several requests (an engine step's hashes),
+        possibly with empty lists and a request listed twice; the same as one call each."""
+        self._count("steps")
+        ready = [r for r in self.live.values() if self._available_hashes(r) > r.given]
+        if not ready:
+            return
+        picked = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=4), label="requests")
+        given = {r.rid: r.given for r in picked}
+        ids, lists = [], []
+        for r in picked:
+            n = data.draw(st.integers(0, self._available_hashes(r) - given[r.rid]), label="n")
+            ids.append(r.rid)
+            lists.append(list(r.hashes[given[r.rid] : given[r.rid] + n]))
+            given[r.rid] += n
+        self.cache.add_block_hashes_batch(ids, lists)
+        for rid, hashes in zip(ids, lists):
+            self._model_give(self.live[rid], len(hashes))
         self._count("hash_deliveries")
 
     def _deliver_some(self, data, r: ModelRequest):

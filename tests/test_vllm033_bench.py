@@ -1,7 +1,8 @@
 """The host-overhead benchmark runs end to end in the vLLM 0.33 environment (small sizes).
 
 It must show vLLM 0.33's own connector crashing on a lookahead-hashing trace that this
-project's connector serves, and write both connectors' timings (speed is not asserted here).
+project's connector serves, and write both connectors' timings and the output-contract floor's (speed is not asserted
+here).
 """
 
 import csv
@@ -24,7 +25,7 @@ def test_host_benchmark_small_run(tmp_path):
     assert "lookahead-1 trace: vllm-0.33-builtin crashed: AssertionError" in done.stdout
     with open(tmp_path / "host_overhead.csv") as f:
         rows = {r["impl"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"routed-experts-cache", "vllm-0.33-builtin"}
+    assert set(rows) == {"routed-experts-cache", "vllm-0.33-builtin", "output-contract floor"}
     hooks = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
     for row in rows.values():
         assert int(row["concurrency"]) == 16 and float(row["median_ms"]) > 0
@@ -32,4 +33,6 @@ def test_host_benchmark_small_run(tmp_path):
         assert float(row["host_only_cpu_median_ms"]) <= float(row["cpu_median_ms"])
     assert float(rows["vllm-0.33-builtin"]["cpu_ratio_to_vllm"]) == 1.0
     assert float(rows["routed-experts-cache"]["cpu_ratio_to_vllm"]) > 0
+    assert float(rows["output-contract floor"]["cpu_ratio_to_vllm"]) > 0
+    assert rows["output-contract floor"]["rss_growth_MiB"] == "nan"  # not measured: not a connector
     assert (tmp_path / "host_overhead.png").stat().st_size > 0

@@ -117,6 +117,24 @@ def test_hashes_for_a_request_that_is_not_running_are_refused(case):
     driver.expect_rows("a", 0, 7)
 
 
+def test_a_step_with_a_bad_block_hash_is_refused_before_anything_changes():
+    driver = Driver()
+    two_requests(driver)
+    before = driver.cache.stats()
+    bad = AuxOutputConnectorMetadata(
+        generation=0, requests={"a": 7, "n": 0}, block_hashes={"a": [block_hash("a", 1)], "b": [b"ok", "not bytes"]},
+        finished_requests=(), retained_block_hashes=pack_hashes([block_hash("zz", 9)]), released_block_hashes=None,
+    )
+    with pytest.raises(RoutedExpertsCacheError, match="'b'.*'not bytes'"):
+        driver.connector.begin_step(bad)
+    # Neither the pin, nor a's hash, nor the new request 'n' was applied.
+    assert driver.cache.stats() == before
+    assert driver.connector.stats()["requests_tracked"] == 2
+    driver.expect_rows("a", 0, 7)
+    out = driver.step(metadata({"a": 7}), [("a", 7, 1)])
+    check_output(out, "a", 7, 8)
+
+
 def test_reset_with_outputs_in_flight_is_refused_and_changes_nothing():
     driver = Driver()
     two_requests(driver)

@@ -93,10 +93,32 @@ def _index_array(values, what: str, length: int, error: type[RoutedExpertsCacheE
 
 
 def _check_hashes(hashes: list, what: str, request_id=None) -> None:
+    if set(map(type, hashes)) <= {bytes} and all(hashes):
+        return
     for block_hash in hashes:
         if type(block_hash) is not bytes or not block_hash:
             where = f"request {request_id!r}: " if request_id is not None else ""
             raise InvalidCaptureError(f"{where}{what} must be non-empty bytes, got {block_hash!r}")
+
+
+def checked_hash_lists(request_ids, hash_lists) -> tuple[list, list[list[bytes]]]:
+    """``(request_ids, hash_lists)`` as lists, each hash list a list of non-empty bytes; raise
+    the error ``add_block_hashes_batch`` would, before anything is added."""
+    request_ids = _as_list(request_ids, "request ids for block hashes")
+    hash_lists = _as_list(hash_lists, "block hash lists")
+    if len(hash_lists) != len(request_ids):
+        raise InvalidCaptureError(f"{len(request_ids)} request ids but {len(hash_lists)} block hash lists")
+    if not set(map(type, request_ids)) <= {str, int}:
+        for request_id in request_ids:
+            _check_request_id(request_id)
+    for i, hashes in enumerate(hash_lists):
+        if type(hashes) is not list:
+            hash_lists[i] = _as_list(hashes, f"request {request_ids[i]!r}: block hashes")
+    every_hash = list(chain.from_iterable(hash_lists))
+    if not set(map(type, every_hash)) <= {bytes} or not all(every_hash):
+        for request_id, hashes in zip(request_ids, hash_lists):
+            _check_hashes(hashes, "block hashes", request_id)  # names the first bad one
+    return request_ids, hash_lists
 
 
 def _format_ranges(ranges: list[tuple[int, int]]) -> str:
@@ -267,11 +289,9 @@ class RoutedExpertsCache:
         slots = _index_array(slots, "slots", len(request_ids))
         if len(slots) and (slots.min() < 0 or slots.max() >= len(self._slot_requests)):
             raise RoutedExpertsCacheError(f"slots must come from slots(); got values outside [0, {len(self._slot_requests)})")
-        ids = np.empty(len(request_ids), dtype=object)
-        ids[:] = request_ids
-        wrong = np.flatnonzero(self._slot_ids[slots] != ids)
-        if len(wrong):
-            i = wrong[0]
+        owners = self._slot_ids[slots].tolist()
+        if owners != request_ids:
+            i = next(i for i, (owner, request_id) in enumerate(zip(owners, request_ids)) if owner != request_id)
             raise RoutedExpertsCacheError(
                 f"slot {slots[i]} does not belong to request {request_ids[i]!r} (slots stay valid until "
                 f"their request finishes or the cache is reset)"
@@ -414,7 +434,9 @@ class RoutedExpertsCache:
         if batch is not None:  # only requests that completed a block can have one to settle
             slots, starts, _, counts, _ = batch
             for slot in slots[(starts + counts) // size > starts // size].tolist():
-                self._settle(self._slot_requests[slot])
+                request = self._slot_requests[slot]
+                if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
+                    self._settle(request)
         self._counters["captured_rows"] += int(lengths.sum())
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
@@ -437,12 +459,11 @@ class RoutedExpertsCache:
         if pages:
             first_new = -(-starts // self.page_size)
             offsets = np.cumsum(num_new) - num_new
-            rows = np.repeat(slots, num_new)
+            page_slots = np.repeat(slots, num_new)
             blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
-            self._set_table(rows, blocks, pages)
-            growing = np.flatnonzero(num_new)
-            for slot, offset, count in zip(slots[growing].tolist(), offsets[growing].tolist(), num_new[growing].tolist()):
-                self._slot_requests[slot].own_pages.extend(pages[offset : offset + count])
+            self._set_table(page_slots, blocks, pages)
+            for slot, page in zip(page_slots.tolist(), pages):  # in block order per request
+                self._slot_requests[slot].own_pages.append(page)
         self._cursor[slots] = starts + counts
 
     def _released_by_first_captures(self, plans: list[tuple]) -> list[bytes]:
@@ -616,21 +637,28 @@ class RoutedExpertsCache:
         reads them through the index. Its own blocks are pinned only once its page is the
         published one.
         """
-        _check_request_id(request_id)
-        if type(hashes) is not list:
-            hashes = _as_list(hashes, f"request {request_id!r}: block hashes")
-        _check_hashes(hashes, "block hashes", request_id)
-        request = self._requests.get(request_id)
-        if request is None:
-            request = _Request()
-            self._register(request_id, request)
-        first_new = len(request.hashes)
-        request.hashes.extend(hashes)
-        if request.first_block is None:
-            self._pin(hashes)
-        elif first_new < request.first_block:
-            self._pin(hashes[: request.first_block - first_new])
-        self._settle(request)
+        self.add_block_hashes_batch([request_id], [hashes])
+
+    def add_block_hashes_batch(self, request_ids: Sequence, hash_lists: Sequence[Iterable[bytes]]) -> None:
+        """``add_block_hashes(request_ids[i], hash_lists[i])`` for every i, in order; every
+        id and hash is checked before any is added (an engine step's hashes in one call)."""
+        request_ids, hash_lists = checked_hash_lists(request_ids, hash_lists)
+        size = self.page_size
+        for request_id, hashes in zip(request_ids, hash_lists):
+            request = self._requests.get(request_id)
+            if request is None:
+                request = _Request()
+                self._register(request_id, request)
+            first_new = len(request.hashes)
+            request.hashes += hashes
+            first_block = request.first_block
+            if first_block is None:
+                self._pin(hashes)
+            else:
+                if first_new < first_block:
+                    self._pin(hashes[: first_block - first_new])
+                if first_block + request.num_settled < self._cursor[request.slot] // size:
+                    self._settle(request)  # a full own block may have its hash now
 
     def retain(self, hashes: Iterable[bytes]) -> None:
         """Pin published (or future) blocks by hash, independent of any request."""
@@ -654,7 +682,7 @@ class RoutedExpertsCache:
 
     def _pin(self, hashes: list[bytes]) -> None:
         self._pins.update(hashes)
-        if self._evictable:
+        if self._evictable and not self._evictable.keys().isdisjoint(hashes):
             for block_hash in hashes:
                 self._evictable.pop(block_hash, None)
 

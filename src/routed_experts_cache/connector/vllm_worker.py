@@ -34,7 +34,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-from .cache import RoutedExpertsCache
+from .cache import RoutedExpertsCache, checked_hash_lists
 from .errors import RoutedExpertsCacheError
 from .side_stream import SideStream
 
@@ -181,8 +181,10 @@ class CacheWorkerConnector:
         with self._lock:
             request_ids = list(metadata.requests)
             emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
-            new_generation = self._check_metadata(metadata, request_ids, emit_starts)
-            hashes = {request_id: unpack_hashes(packed) for request_id, packed in metadata.block_hashes.items()}
+            new_generation, slots = self._check_metadata(metadata, request_ids, emit_starts)
+            hashed_ids, hash_lists = checked_hash_lists(
+                list(metadata.block_hashes), list(map(unpack_hashes, metadata.block_hashes.values()))
+            )
             self._step_metadata = metadata
             if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
@@ -192,11 +194,11 @@ class CacheWorkerConnector:
                 self._generation = metadata.generation
             else:
                 self._apply_pins(metadata)
-            new = np.flatnonzero(self._slots(request_ids) < 0)
+            new = np.flatnonzero(slots < 0)
             if len(new):
                 self._track([request_ids[i] for i in new.tolist()], emit_starts[new])
-            for request_id, block_hashes in hashes.items():
-                self._cache.add_block_hashes(request_id, block_hashes)
+            if hashed_ids:
+                self._cache.add_block_hashes_batch(hashed_ids, hash_lists)
             finished = [r for r in metadata.finished_requests if r in self._slot_of]
             if finished:
                 slots = self._slots(finished)
@@ -204,8 +206,11 @@ class CacheWorkerConnector:
                 for i in np.flatnonzero(self._pending[slots] == 0).tolist():
                     self._teardown(finished[i])
 
-    def _check_metadata(self, metadata: AuxOutputConnectorMetadata, request_ids: list, emit_starts: np.ndarray) -> bool:
-        """Raise if the metadata contradicts the connector's state; True on a new generation."""
+    def _check_metadata(
+        self, metadata: AuxOutputConnectorMetadata, request_ids: list, emit_starts: np.ndarray
+    ) -> tuple[bool, np.ndarray]:
+        """Raise if the metadata contradicts the connector's state; return whether it starts a
+        new generation, and the scheduled requests' slots as they will be (-1: not tracked)."""
         both = metadata.requests.keys() & set(metadata.finished_requests)
         if both:
             raise ConnectorStateError(f"requests {sorted(both)} are scheduled and finished in one step")
@@ -220,10 +225,10 @@ class CacheWorkerConnector:
                 f"outputs in flight"
             )
         known = {} if new_generation else self._slot_of
+        all_slots = self._slots(request_ids) if known else np.full(len(request_ids), -1, dtype=np.int64)
         if known:
-            slots = self._slots(request_ids)
-            tracked = np.flatnonzero(slots >= 0)
-            slots = slots[tracked]
+            tracked = np.flatnonzero(all_slots >= 0)
+            slots = all_slots[tracked]
             again = np.flatnonzero(self._finished[slots])
             if len(again):
                 raise ConnectorStateError(
@@ -242,7 +247,7 @@ class CacheWorkerConnector:
                     f"block hashes for request {request_id!r}, which is not running (never scheduled, "
                     f"or finished); running: {len(known)} requests"
                 )
-        return new_generation
+        return new_generation, all_slots
 
     def _apply_pins(self, metadata: AuxOutputConnectorMetadata) -> None:
         """0.33's KV-aligned pins (absent in 0.32): retain first, then release, atomically."""
