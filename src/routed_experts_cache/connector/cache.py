@@ -495,14 +495,17 @@ class RoutedExpertsCache:
 
     def _commit_captures(self, plans: list[tuple], pages: list[int]) -> None:
         """Apply planned captures: their new pages (in plan order) and cursors."""
-        taken = 0
+        taken, table_slots, table_blocks = 0, [], []
         for _, request, start, _, count, num_new in plans:
             if num_new:
                 first = request.first_block + len(request.own_pages)
-                self._set_table(request.slot, np.arange(first, first + num_new), pages[taken : taken + num_new])
-                request.own_pages.extend(pages[taken : taken + num_new])
+                table_slots += [request.slot] * num_new
+                table_blocks += range(first, first + num_new)
+                request.own_pages += pages[taken : taken + num_new]
                 taken += num_new
             self._cursor[request.slot] = start + count
+        if pages:
+            self._set_table(table_slots, table_blocks, pages)
 
     def _copy_on_device(self, source, target, lengths, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch; segment i copies
