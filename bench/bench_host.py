@@ -175,6 +175,7 @@ class OutputContractFloor:
 
     def close(self) -> None:
         self._index.clear()
+        self._hashes.clear()
 
 
 class _FloorPending:

@@ -201,9 +201,9 @@ class CacheWorkerConnector:
                 self._cache.add_block_hashes_batch(hashed_ids, hash_lists)
             finished = [r for r in metadata.finished_requests if r in self._slot_of]
             if finished:
-                slots = self._slots(finished)
-                self._finished[slots] = True
-                for i in np.flatnonzero(self._pending[slots] == 0).tolist():
+                finished_slots = self._slots(finished)
+                self._finished[finished_slots] = True
+                for i in np.flatnonzero(self._pending[finished_slots] == 0).tolist():
                     self._teardown(finished[i])
 
     def _check_metadata(
