@@ -1,7 +1,7 @@
 """routed-experts-cache: a GPU-resident cache of MoE routing rows and a vLLM drop-in.
 
-The package lives in ``src/routed_experts_cache`` (``kernels/``: the Triton segment copy and
-its torch twin; ``connector/``: the cache and the vLLM worker connector).
+The package lives in ``src/routed_experts_cache`` (the cache and its page pool at the top,
+``kernels/``: the Triton segment copy and its torch twin; ``connector/``: the vLLM adapter).
 """
 
 import re

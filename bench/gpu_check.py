@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from routed_experts_cache.connector import RoutedExpertsCache, RoutedExpertsCacheError  # noqa: E402
+from routed_experts_cache import RoutedExpertsCache, RoutedExpertsCacheError  # noqa: E402
 from routed_experts_cache.connector.side_stream import SideStream  # noqa: E402
 
 

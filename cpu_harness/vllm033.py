@@ -107,7 +107,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnecto
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from routed_experts_cache.connector import RoutedExpertsCache  # noqa: E402
+from routed_experts_cache import RoutedExpertsCache  # noqa: E402
 from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, build_cache  # noqa: E402
 
 BLOCK_SIZE = 4

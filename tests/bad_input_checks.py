@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from routed_experts_cache.connector import (
+from routed_experts_cache import (
     CacheFullError,
     InvalidCaptureError,
     RangeUnavailableError,

@@ -17,7 +17,7 @@ if ON_CPU:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from routed_experts_cache.connector import RoutedExpertsCache  # noqa: E402
+from routed_experts_cache import RoutedExpertsCache  # noqa: E402
 
 if not ON_CPU and not torch.cuda.is_available():
     raise RuntimeError(f"ROUTED_EXPERTS_TEST_DEVICE={TEST_DEVICE!r} but CUDA is not available")

@@ -12,7 +12,7 @@ import torch
 from conftest import TEST_DEVICE
 from test_cache_inputs import UnconvertibleRows
 
-from routed_experts_cache.connector import (
+from routed_experts_cache import (
     CacheFullError,
     InvalidCaptureError,
     RangeUnavailableError,
@@ -1093,3 +1093,31 @@ def test_a_batch_takes_the_pages_its_copy_wrote_when_a_first_capture_frees_a_sta
     assert_rows(cache.read("b", 0, 3), u8(torch.cat([source[:1], source[2:4]])))
     assert_rows(cache.read("r", 0, 2), u8(source[:2]))
     assert_accounting(cache)
+
+
+def test_a_copy_that_fails_midway_unpublishes_the_pages_it_was_evicting(make_cache, gen):
+    """A device copy that raises may already have written the evictable pages it took: their
+    hashes must never hit again (fail closed), and the refused capture leaves nothing else."""
+    cache = make_cache(2)
+    rows = rand_rows(gen, 8)
+    cache.capture("a", 0, rows)
+    cache.add_block_hashes("a", [b"h0", b"h1"])
+    cache.finish("a")  # both pages published and evictable
+    copy = cache._copy
+
+    def copy_then_fault(*args):
+        copy(*args)
+        raise RuntimeError("device fault after the copy")
+
+    cache._copy = copy_then_fault
+    with pytest.raises(RuntimeError, match="device fault"):
+        cache.capture("b", 0, rand_rows(gen, 5))  # evicts h0 (oldest), then h1
+    cache._copy = copy
+    assert not cache.is_published(b"h0") and not cache.is_published(b"h1")
+    stats = cache.stats()
+    assert (stats["free"], stats["published"], stats["evictable"], stats["requests"]) == (2, 0, 0, 0)
+    cache.check_consistency()
+    cache.add_block_hashes("c", [b"h0", b"h1"])
+    assert_unavailable(cache, "c", 0, 4)
+    cache.capture("c", 0, rows[:3])  # the freed pages serve new captures
+    assert_rows(cache.read("c", 0, 3), u8(rows[:3]))

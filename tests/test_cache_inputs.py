@@ -21,7 +21,7 @@ from conftest import TEST_DEVICE
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from routed_experts_cache.connector import (
+from routed_experts_cache import (
     InvalidCaptureError,
     RangeUnavailableError,
     RoutedExpertsCache,

@@ -51,7 +51,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from routed_experts_cache.connector import (
+from routed_experts_cache import (
     CacheFullError,
     InvalidCaptureError,
     RangeUnavailableError,

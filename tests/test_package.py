@@ -10,12 +10,13 @@ from pathlib import Path
 import routed_experts_cache
 
 ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "src/routed_experts_cache"
 
 
 def test_top_level_import_and_version():
     from routed_experts_cache import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
 
-    assert RoutedExpertsCache.__module__ == "routed_experts_cache.connector.cache"
+    assert RoutedExpertsCache.__module__ == "routed_experts_cache.cache"
     assert issubclass(CacheFullError, RoutedExpertsCacheError)
     assert re.fullmatch(r"\d+\.\d+\.\d+", routed_experts_cache.__version__)
 
@@ -33,8 +34,9 @@ def test_wheel_has_license_metadata_and_py_typed(tmp_path):
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         metadata = archive.read(f"{info}/METADATA").decode()
         license_text = archive.read(f"{info}/licenses/LICENSE").decode()
-    assert {"routed_experts_cache/py.typed", "routed_experts_cache/__init__.py",
-            "routed_experts_cache/kernels/segment_copy.py", "routed_experts_cache/connector/vllm_worker.py"} <= names
+    modules = {n for n in names if n.startswith("routed_experts_cache/") and n.endswith(".py")}
+    assert modules == {f"routed_experts_cache/{p.relative_to(SOURCE).as_posix()}" for p in SOURCE.rglob("*.py")}
+    assert "routed_experts_cache/py.typed" in names
     assert "Apache License" in license_text and "Version 2.0" in license_text
     assert "License: Apache-2.0" in metadata and "Requires-Python: >=3.10" in metadata
     assert 'Requires-Dist: vllm<0.34,>=0.32; extra == "vllm"' in metadata

@@ -16,7 +16,7 @@ from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, r
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
 from cpu_harness.vllm033 import SnapshotCapturer, build_our_connector, make_scheduler
-from routed_experts_cache.connector import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
+from routed_experts_cache import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
 from routed_experts_cache.connector.vllm_worker import (
     LOG_INTERVAL_ENV,
     CacheWorkerConnector,

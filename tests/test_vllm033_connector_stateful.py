@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
-from routed_experts_cache.connector import RoutedExpertsCache
+from routed_experts_cache import RoutedExpertsCache
 from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector
 
 MAX_IN_FLIGHT = 2

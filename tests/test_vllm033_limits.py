@@ -47,7 +47,7 @@ from cpu_harness.vllm033 import (  # first: fails with a clear message outside v
     make_scheduler,
     random_prompt,
 )
-from routed_experts_cache.connector import CacheFullError
+from routed_experts_cache import CacheFullError
 
 LIMITS_STEPS = int(os.environ.get("LIMITS_STEPS", "10000"))
 

@@ -8,7 +8,8 @@ from importlib.metadata import entry_points
 import pytest
 import vllm
 
-from routed_experts_cache.connector import RoutedExpertsCacheError, vllm_plugin, vllm_worker
+from routed_experts_cache import RoutedExpertsCacheError
+from routed_experts_cache.connector import vllm_plugin, vllm_worker
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
 RUNNER = "vllm.v1.worker.gpu.model_runner"

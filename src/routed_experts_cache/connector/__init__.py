@@ -1,16 +1,5 @@
-"""The routed-experts cache and its vLLM adapter.
+"""The vLLM adapter of the cache: the worker connector (``vllm_worker``), the plugin vLLM loads
+(``vllm_plugin``) and the CUDA stream its row copies run on (``side_stream``).
 
-``RoutedExpertsCache`` is engine-agnostic; the vLLM worker connector and plugin live in
-``routed_experts_cache.connector.vllm_worker`` / ``.vllm_plugin`` and import vLLM lazily.
+Importing this package imports no vLLM; its modules do.
 """
-
-from .cache import RoutedExpertsCache
-from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
-
-__all__ = [
-    "CacheFullError",
-    "InvalidCaptureError",
-    "RangeUnavailableError",
-    "RoutedExpertsCache",
-    "RoutedExpertsCacheError",
-]

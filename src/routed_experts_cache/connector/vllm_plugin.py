@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .errors import RoutedExpertsCacheError
+from ..errors import RoutedExpertsCacheError
 
 SUPPORTED_VERSIONS = ("0.32.", "0.33.")
 ENV_SWITCH = "ROUTED_EXPERTS_CACHE"

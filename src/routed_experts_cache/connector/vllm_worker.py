@@ -34,8 +34,9 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-from .cache import RoutedExpertsCache, checked_hash_lists
-from .errors import RoutedExpertsCacheError
+from ..cache import RoutedExpertsCache
+from ..checks import checked_hash_lists
+from ..errors import RoutedExpertsCacheError
 from .side_stream import SideStream
 
 if TYPE_CHECKING:

@@ -5,14 +5,13 @@ ordered block map: the blocks it captured itself (``own_pages``, from ``first_bl
 before those, prefix blocks that resolve through the published index by block hash. Every
 page is in exactly one state:
 
-- free: in ``_free``;
+- free, published (shared by block hash) or evictable (published, unpinned): ``PagePool``;
 - tail / pending / duplicate: owned by one request (partly filled / full without hash /
-  full with a hash that was already published by an earlier page);
-- published: ``_index[key] -> page``, shared. Pins are counted per key: a request pins the
-  hashes it reads through the index (its prefix blocks; before its first capture, every hash
-  it is given) and those of its own published pages; ``retain`` pins from outside. Nothing
-  pins a page no one will read. A published page whose key has no pin is in ``_evictable``,
-  whose order is the eviction order (oldest first).
+  full with a hash that was already published by an earlier page).
+
+A request pins the hashes it reads through the index (its prefix blocks; before its first
+capture, every hash it is given) and those of its own published pages; ``retain`` pins from
+outside. Nothing pins a page no one will read.
 
 Reads walk the block map, so published, pending and tail blocks are one lookup. Rows move on
 the device with one scatter per capture call and one gather per read call.
@@ -24,21 +23,23 @@ numpy operations; Python runs only per new page, per completed block and for the
 the arrays do not cover (first captures, prefix reads), which take the per-request path.
 """
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import chain, islice, repeat
+from itertools import repeat
 from math import prod
 
 import numpy as np
 import torch
 
-from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
+from .checks import (
+    as_list, check_hashes, check_position, check_request_id, check_row_values, check_rows, checked_hash_lists,
+    fits_dtype, index_array,
+)
 from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
+from .kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
+from .page_pool import PagePool
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
-_INTEGER_DTYPES = (
-    torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64, torch.int64,
-)
 
 
 class _Request:
@@ -57,72 +58,6 @@ class _Request:
         if self.first_block is None:  # nothing captured yet: every hashed block is a prefix block
             return len(self.hashes) * page_size
         return self.first_block * page_size
-
-
-def _check_request_id(request_id) -> None:
-    if type(request_id) is not str and type(request_id) is not int:  # bool and numpy ints are refused
-        raise RoutedExpertsCacheError(f"request id must be a str or int, got {request_id!r}")
-
-
-def _check_position(name: str, value, request_id) -> int:
-    if type(value) is not int:
-        raise RoutedExpertsCacheError(f"request {request_id!r}: {name} must be an int, got {value!r}")
-    return value
-
-
-def _as_list(values, what: str, error: type[RoutedExpertsCacheError] = InvalidCaptureError) -> list:
-    """``list(values)`` for a sequence argument; one value or a non-iterable is refused."""
-    if isinstance(values, (bytes, bytearray, str, torch.Tensor)) or not isinstance(values, Iterable):
-        raise error(f"{what} must be a sequence (a list or another iterable), got {type(values).__name__}")
-    return list(values)
-
-
-def _index_array(values, what: str, length: int, error: type[RoutedExpertsCacheError] = RoutedExpertsCacheError) -> np.ndarray:
-    """A 1-D int64 array of ``length`` integers (numpy, torch CPU or a sequence of ints)."""
-    try:
-        array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise error(f"{what} must be integers, got {type(values).__name__}: {exc}") from exc
-    if array.shape == (0,) and length == 0:
-        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64
-    if array.dtype.kind not in "iu" or array.shape != (length,):
-        raise error(f"{what} must be {length} integers, got {array.dtype} of shape {array.shape}")
-    if array.dtype == np.uint64 and length and array.max() > np.iinfo(np.int64).max:
-        raise error(f"{what} must fit int64, got {array.max()}")
-    return array.astype(np.int64, copy=False)
-
-
-def _all_hashes(values: list) -> bool:
-    """Whether every value is non-empty bytes (two C-level passes, no Python loop)."""
-    return set(map(type, values)) <= {bytes} and all(values)
-
-
-def _check_hashes(hashes: list, what: str, request_id=None) -> None:
-    if _all_hashes(hashes):
-        return
-    for block_hash in hashes:
-        if type(block_hash) is not bytes or not block_hash:
-            where = f"request {request_id!r}: " if request_id is not None else ""
-            raise InvalidCaptureError(f"{where}{what} must be non-empty bytes, got {block_hash!r}")
-
-
-def checked_hash_lists(request_ids, hash_lists) -> tuple[list, list[list[bytes]]]:
-    """``(request_ids, hash_lists)`` as lists, each hash list a list of non-empty bytes; raise
-    the error ``add_block_hashes_batch`` would, before anything is added."""
-    request_ids = _as_list(request_ids, "request ids for block hashes")
-    hash_lists = _as_list(hash_lists, "block hash lists")
-    if len(hash_lists) != len(request_ids):
-        raise InvalidCaptureError(f"{len(request_ids)} request ids but {len(hash_lists)} block hash lists")
-    if not set(map(type, request_ids)) <= {str, int}:
-        for request_id in request_ids:
-            _check_request_id(request_id)
-    for i, hashes in enumerate(hash_lists):
-        if type(hashes) is not list:
-            hash_lists[i] = _as_list(hashes, f"request {request_ids[i]!r}: block hashes")
-    if not _all_hashes(list(chain.from_iterable(hash_lists))):
-        for request_id, hashes in zip(request_ids, hash_lists):
-            _check_hashes(hashes, "block hashes", request_id)  # names the first bad one
-    return request_ids, hash_lists
 
 
 def _format_ranges(ranges: list[tuple[int, int]]) -> str:
@@ -181,11 +116,8 @@ class RoutedExpertsCache:
         return prod(self.row_shape) * self.pages.element_size()
 
     def _clear(self) -> None:
-        self._free: deque[int] = deque(range(self.num_pages))
-        self._index: dict[bytes, int] = {}
-        self._pins: Counter[bytes] = Counter()  # all pins: requests' hashes and retained ones
+        self._pages = PagePool(self.num_pages)  # pins: requests' hashes and retained ones
         self._retained: Counter[bytes] = Counter()  # pins taken by retain(), for release()
-        self._evictable: OrderedDict[bytes, None] = OrderedDict()
         self._requests: dict[object, _Request] = {}
         self._counters = Counter()
         self._slot_of: dict[object, int] = {}
@@ -236,17 +168,17 @@ class RoutedExpertsCache:
 
     def capture_many(self, items: Iterable[tuple[object, int, torch.Tensor]]) -> None:
         """Validate every item, then write all of them with one device launch."""
-        items = _as_list(items, "capture items")
+        items = as_list(items, "capture items")
         spans, offset = [], 0
         for item in items:
             if type(item) is not tuple or len(item) != 3:
                 raise InvalidCaptureError(f"a capture item is (request_id, start, rows), got {item!r}")
-            self._check_rows(item[0], item[2])
+            check_rows(item[0], item[2], self.row_shape)
             spans.append((item[0], item[1], offset, item[2].shape[0]))
             offset += item[2].shape[0]
         plans, num_new_pages = self._plan_captures(offset, spans)
         for (_, _, rows), (request_id, start, _, count) in zip(items, spans):
-            self._check_values(rows, [(request_id, start, 0, count)])
+            check_row_values(rows, [(request_id, start, 0, count)], self.dtype)
         if plans:
             self._write(plans, num_new_pages, self._source_words([rows for _, _, rows in items]))
 
@@ -256,10 +188,10 @@ class RoutedExpertsCache:
         The batched form the vLLM adapter uses: a step's snapshot is captured where it lies
         (narrowed once if needed), with one scatter for all requests.
         """
-        spans = _as_list(spans, "capture spans")
-        self._check_rows("<batch>", source)
+        spans = as_list(spans, "capture spans")
+        check_rows("<batch>", source, self.row_shape)
         plans, num_new_pages = self._plan_captures(source.shape[0], spans)
-        self._check_values(source, spans)
+        check_row_values(source, spans, self.dtype)
         if plans:
             self._write(plans, num_new_pages, self._source_words([source]))
 
@@ -271,7 +203,7 @@ class RoutedExpertsCache:
         Slots can be handed to ``capture_batch`` and ``read_batch`` to skip their lookup; one
         stays valid until its request is finished or the cache reset.
         """
-        request_ids = _as_list(request_ids, "request ids", RoutedExpertsCacheError)
+        request_ids = as_list(request_ids, "request ids", RoutedExpertsCacheError)
         slots = self._lookup_slots(request_ids)
         for i in np.flatnonzero(slots < 0).tolist():
             if request_ids[i] not in self._slot_of:  # an id listed twice is registered once
@@ -283,14 +215,14 @@ class RoutedExpertsCache:
         """Slots of known requests, -1 for unknown ones; ids of the wrong type are refused."""
         if not set(map(type, request_ids)) <= {str, int}:
             for request_id in request_ids:
-                _check_request_id(request_id)
+                check_request_id(request_id)
         return np.fromiter(map(self._slot_of.get, request_ids, repeat(-1)), dtype=np.int64, count=len(request_ids))
 
     def _batch_slots(self, request_ids: list, slots) -> np.ndarray:
         """Given slots are checked against the ids (a stale slot must never read another's rows)."""
         if slots is None:
             return self._lookup_slots(request_ids)
-        slots = _index_array(slots, "slots", len(request_ids))
+        slots = index_array(slots, "slots", len(request_ids))
         if len(slots) and (slots.min() < 0 or slots.max() >= len(self._slot_requests)):
             raise RoutedExpertsCacheError(f"slots must come from slots(); got values outside [0, {len(self._slot_requests)})")
         owners = self._slot_ids[slots].tolist()
@@ -310,12 +242,12 @@ class RoutedExpertsCache:
         captures, a request listed twice, invalid spans) take ``capture_from``'s checks, and
         the whole call is still one scatter that either happens completely or not at all.
         """
-        request_ids = _as_list(request_ids, "capture request ids")
-        self._check_rows("<batch>", source)
+        request_ids = as_list(request_ids, "capture request ids")
+        check_rows("<batch>", source, self.row_shape)
         slots = self._batch_slots(request_ids, slots)
         n = len(request_ids)
         starts, source_starts, counts = (
-            _index_array(values, name, n, InvalidCaptureError)
+            index_array(values, name, n, InvalidCaptureError)
             for values, name in ((starts, "starts"), (source_starts, "source starts"), (counts, "counts"))
         )
         size, ends = self.page_size, starts + counts
@@ -329,10 +261,10 @@ class RoutedExpertsCache:
         others = np.flatnonzero(~continuing & (active | ~valid)).tolist()
         spans = [(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in others]
         plans, num_new_pages = self._plan_captures(source.shape[0], spans)
-        if not self._fits_pool_dtype(source):
-            self._check_values(source, [
+        if not fits_dtype(source.dtype, self.dtype):
+            check_row_values(source, [
                 (request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in np.flatnonzero(active).tolist()
-            ])
+            ], self.dtype)
         batch = None
         if continuing.any():
             pick = np.flatnonzero(continuing)
@@ -370,20 +302,18 @@ class RoutedExpertsCache:
         spans first, then the batch.
         """
         batch_new = int(batch[4].sum()) if batch is not None else 0
-        releasing = self._released_by_first_captures(plans)
-        available = len(self._free) + len(self._evictable) + len(releasing)
-        if num_new_pages + batch_new > available:
+        releasing = self._pages.released_by(self._first_capture_unpins(plans))
+        free, evictable = len(self._pages.free), len(self._pages.evictable) + len(releasing)
+        if num_new_pages + batch_new > free + evictable:
             wanted = [f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans]
             if batch is not None:
                 wanted.append(f"{len(batch[0])} continuing requests ({batch_new} pages)")
             raise CacheFullError(
                 f"capture of {', '.join(wanted)} needs {num_new_pages + batch_new} new pages; only "
-                f"{len(self._free)} free and {available - len(self._free)} evictable of {self.num_pages} "
+                f"{free} free and {evictable} evictable of {self.num_pages} "
                 f"(the rest are pinned or owned by live requests)"
             )
-        from_free = list(islice(self._free, num_new_pages + batch_new))
-        victims = list(islice(chain(self._evictable, releasing), num_new_pages + batch_new - len(from_free)))
-        new_pages = from_free + [self._index[key] for key in victims]
+        new_pages, victims = self._pages.next_pages(num_new_pages + batch_new, releasing)
         size, taken = self.page_size, 0
         seg_start, seg_source_row, seg_target_row = [0], [], []
         pages_after: dict[int, tuple[int, list[int]]] = {}  # per request: first block, pages after this call
@@ -422,14 +352,12 @@ class RoutedExpertsCache:
         try:
             self._copy_on_device(source_words, self._pool_words, lengths, *descriptor)
         except Exception:
-            for key in victims:  # their rows may be partly overwritten: unpublish them (fail closed)
-                self._evictable.pop(key, None)
-                self._free.append(self._index.pop(key))
+            self._pages.discard(victims)  # their rows may be partly overwritten (fail closed)
             raise
         # Every page is taken before any block settles: settling frees and pins pages, which
         # would change which pages the allocation takes from the ones the copy wrote.
         self._start_first_captures(plans)
-        pages = [self._allocate_page() for _ in range(num_new_pages + batch_new)]
+        pages = [self._pages.allocate() for _ in range(num_new_pages + batch_new)]
         self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
             self._commit_batch(batch, pages[num_new_pages:])
@@ -470,23 +398,19 @@ class RoutedExpertsCache:
                 self._slot_requests[slot].own_pages.append(page)
         self._cursor[slots] = starts + counts
 
-    def _released_by_first_captures(self, plans: list[tuple]) -> list[bytes]:
-        """Published hashes that become evictable when this call's first captures drop their
-        pins on the request's own blocks, in the order they are released."""
-        drops: Counter[bytes] = Counter()
-        released, first_captures = [], set()
+    def _first_capture_unpins(self, plans: list[tuple]) -> list[bytes]:
+        """The hashes this call's first captures stop pinning (the request's own blocks), in
+        the order ``_start_first_captures`` unpins them."""
+        unpins, first_captures = [], set()
         for _, request, start, *_ in plans:
             if request.first_block is None and id(request) not in first_captures:
                 first_captures.add(id(request))
-                for block_hash in reversed(request.hashes[start // self.page_size :]):
-                    drops[block_hash] += 1
-                    if drops[block_hash] == self._pins[block_hash] and block_hash in self._index:
-                        released.append(block_hash)
-        return released
+                unpins += reversed(request.hashes[start // self.page_size :])
+        return unpins
 
     def _start_first_captures(self, plans: list[tuple]) -> None:
         """First captures stop pinning their own blocks' hashes: the request reads its own
-        pages there (the released pages are the ones ``_released_by_first_captures`` saw)."""
+        pages there (in the order ``_first_capture_unpins`` lists)."""
         for request_id, request, start, *_ in plans:
             if request.first_block is None:
                 request.first_block = start // self.page_size
@@ -495,7 +419,7 @@ class RoutedExpertsCache:
                 self._first_block[request.slot] = request.first_block
                 self._cursor[request.slot] = start
                 self._counters["prefix_hit_rows"] += start
-                self._unpin(reversed(request.hashes[request.first_block :]))
+                self._pages.unpin(reversed(request.hashes[request.first_block :]))
 
     def _commit_captures(self, plans: list[tuple], pages: list[int]) -> None:
         """Apply planned captures: their new pages (in plan order) and cursors."""
@@ -523,59 +447,6 @@ class RoutedExpertsCache:
         on_device = torch.from_numpy(descriptor).to(self.device, non_blocking=True)
         self._copy(source, target, on_device[: n + 1], on_device[n + 1 : 2 * n + 1], on_device[2 * n + 1 :], int(descriptor[n]))
 
-    def _check_rows(self, request_id, rows) -> None:
-        if not isinstance(rows, torch.Tensor):
-            raise InvalidCaptureError(f"request {request_id!r}: rows must be a torch.Tensor, got {type(rows).__name__}")
-        if rows.dtype not in _INTEGER_DTYPES:
-            raise InvalidCaptureError(f"request {request_id!r}: rows must be an integer tensor, got {rows.dtype}")
-        if rows.layout != torch.strided or rows.is_meta:
-            raise InvalidCaptureError(
-                f"request {request_id!r}: rows must be a dense tensor holding data, got {rows.layout} on {rows.device}"
-            )
-        if rows.dim() != 1 + len(self.row_shape) or tuple(rows.shape[1:]) != self.row_shape:
-            raise InvalidCaptureError(
-                f"request {request_id!r}: rows must have shape [n, {', '.join(map(str, self.row_shape))}], "
-                f"got {list(rows.shape)}"
-            )
-
-    def _fits_pool_dtype(self, source: torch.Tensor) -> bool:
-        wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
-        return wide.min >= narrow.min and wide.max <= narrow.max
-
-    def _check_values(self, source: torch.Tensor, spans) -> None:
-        """Refuse rows whose ids do not fit the pool dtype: narrowing them would store wrong ids.
-
-        Costs nothing when the source dtype fits (the vLLM path); otherwise one reduction and
-        one host copy of the offending row numbers. Each bound is compared only where the
-        source dtype can exceed it, so the bound itself is representable there (torch narrows
-        a Python scalar to the tensor's dtype: ``int8 > 255`` would wrap).
-        """
-        if self._fits_pool_dtype(source):
-            return
-        wide, narrow = torch.iinfo(source.dtype), torch.iinfo(self.dtype)
-        values = source.flatten(1)
-        if values.dtype == torch.uint64:  # no comparisons in torch: ids >= 2**63 read as negative
-            values = values.view(torch.int64)
-            bad = (values < 0) | (values > narrow.max)
-        else:
-            if values.dtype in (torch.uint16, torch.uint32):  # no comparisons in torch either
-                values = values.to(torch.int64)
-            below = values < narrow.min if wide.min < narrow.min else None
-            above = values > narrow.max if wide.max > narrow.max else None
-            bad = above if below is None else below if above is None else below | above
-        bad_rows = bad.any(1).nonzero().flatten().cpu()
-        if bad_rows.numel() == 0:
-            return
-        for request_id, start, source_start, count in spans:
-            first_bad = int(torch.searchsorted(bad_rows, source_start))
-            if first_bad < bad_rows.numel() and bad_rows[first_bad] < source_start + count:
-                row = int(bad_rows[first_bad])
-                raise InvalidCaptureError(
-                    f"request {request_id!r}: row at position {start + row - source_start} of capture "
-                    f"[{start}, {start + count}) holds ids outside the pool dtype {self.dtype} "
-                    f"[{narrow.min}, {narrow.max}]: {source[row].flatten().tolist()}"
-                )
-
     def _plan_captures(self, num_source_rows: int, spans) -> tuple[list[tuple], int]:
         """Check every span against the request cursors as they will be; change nothing.
 
@@ -589,12 +460,12 @@ class RoutedExpertsCache:
                 raise InvalidCaptureError(f"a capture span is (request_id, start, source_start, count), got {span!r}")
             request_id, start, source_start, count = span
             if not (type(start) is type(source_start) is type(count) is int and start >= 0 and source_start >= 0 and count >= 0):
-                _check_request_id(request_id)
+                check_request_id(request_id)
                 for name, value in (("start", start), ("source_start", source_start), ("count", count)):
-                    if _check_position(name, value, request_id) < 0:
+                    if check_position(name, value, request_id) < 0:
                         raise InvalidCaptureError(f"request {request_id!r}: {name} must be >= 0, got {value}")
             if type(request_id) is not str:
-                _check_request_id(request_id)
+                check_request_id(request_id)
             if source_start + count > num_source_rows:
                 raise InvalidCaptureError(
                     f"request {request_id!r}: rows [{source_start}, {source_start + count}) exceed the "
@@ -628,13 +499,6 @@ class RoutedExpertsCache:
             simulated[request_id] = (request, first_block, end)
         return plans, num_new_pages
 
-    def _allocate_page(self) -> int:
-        if self._free:
-            return self._free.popleft()
-        key, _ = self._evictable.popitem(last=False)
-        self._counters["evictions"] += 1
-        return self._index.pop(key)
-
     # ------------------------------------------------------------------ hashes
 
     def add_block_hashes(self, request_id, hashes: Iterable[bytes]) -> None:
@@ -660,24 +524,24 @@ class RoutedExpertsCache:
             request.hashes += hashes
             first_block = request.first_block
             if first_block is None:
-                self._pin(hashes)
+                self._pages.pin(hashes)
             else:
                 if first_new < first_block:
-                    self._pin(hashes[: first_block - first_new])
+                    self._pages.pin(hashes[: first_block - first_new])
                 if first_block + request.num_settled < self._cursor[request.slot] // size:
                     self._settle(request)  # a full own block may have its hash now
 
     def retain(self, hashes: Iterable[bytes]) -> None:
         """Pin published (or future) blocks by hash, independent of any request."""
-        hashes = _as_list(hashes, "retained hashes")
-        _check_hashes(hashes, "retained hashes")
+        hashes = as_list(hashes, "retained hashes")
+        check_hashes(hashes, "retained hashes")
         self._retained.update(hashes)
-        self._pin(hashes)
+        self._pages.pin(hashes)
 
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
-        hashes = _as_list(hashes, "released hashes")
-        _check_hashes(hashes, "released hashes")
+        hashes = as_list(hashes, "released hashes")
+        check_hashes(hashes, "released hashes")
         missing = [h.hex() for h, n in Counter(hashes).items() if self._retained[h] < n]
         if missing:
             raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
@@ -685,21 +549,7 @@ class RoutedExpertsCache:
             self._retained[block_hash] -= 1
             if not self._retained[block_hash]:
                 del self._retained[block_hash]
-        self._unpin(hashes)
-
-    def _pin(self, hashes: list[bytes]) -> None:
-        self._pins.update(hashes)
-        if self._evictable and not self._evictable.keys().isdisjoint(hashes):
-            for block_hash in hashes:
-                self._evictable.pop(block_hash, None)
-
-    def _unpin(self, hashes: Iterable[bytes]) -> None:
-        for block_hash in hashes:
-            self._pins[block_hash] -= 1
-            if self._pins[block_hash] == 0:
-                del self._pins[block_hash]
-                if block_hash in self._index:
-                    self._evictable[block_hash] = None
+        self._pages.unpin(hashes)
 
     def _pinned_hashes(self, request: _Request) -> list[bytes]:
         """The hashes a request pins, in block order: its prefix blocks (every hash before its
@@ -708,15 +558,14 @@ class RoutedExpertsCache:
             return list(request.hashes)
         own = request.hashes[request.first_block : request.first_block + request.num_settled]
         return request.hashes[: request.first_block] + [
-            block_hash for block_hash, page in zip(own, request.own_pages) if self._index.get(block_hash) == page
+            block_hash for block_hash, page in zip(own, request.own_pages) if self._pages.published.get(block_hash) == page
         ]
 
     def _settle(self, request: _Request) -> None:
         """Publish the request's full own blocks whose hashes are known.
 
-        A hash that is already published keeps its page while anyone pins it (this request
-        then keeps reading its own copy, a duplicate freed at finish); an unpinned one is
-        replaced by this copy and its old page freed, so a recomputed block holds one page.
+        A block whose hash another page publishes and someone pins stays a duplicate: this
+        request keeps reading its own copy, freed at finish (``PagePool.publish``).
         """
         if request.first_block is None:
             return
@@ -725,15 +574,7 @@ class RoutedExpertsCache:
             block = request.first_block + request.num_settled
             if block >= full_blocks or block >= len(request.hashes):
                 return
-            block_hash = request.hashes[block]
-            stale_page = self._index.get(block_hash)
-            if stale_page is None or block_hash in self._evictable:
-                if stale_page is not None:
-                    self._free.append(stale_page)
-                self._index[block_hash] = request.own_pages[request.num_settled]
-                self._counters["published_blocks"] += 1
-                self._pins[block_hash] += 1  # _pin of one hash, inlined: once per published block
-                self._evictable.pop(block_hash, None)
+            self._pages.publish(request.hashes[block], request.own_pages[request.num_settled])
             request.num_settled += 1
 
     # -------------------------------------------------------------------- read
@@ -753,7 +594,7 @@ class RoutedExpertsCache:
         Every interval is located before anything is copied: a missing row fails the call.
         """
         seg_start, seg_source_row, offsets = [0], [], [0]
-        for interval in _as_list(intervals, "read intervals", RangeUnavailableError):
+        for interval in as_list(intervals, "read intervals", RangeUnavailableError):
             if type(interval) is not tuple or len(interval) != 3:
                 raise RangeUnavailableError(f"an interval is (request_id, start, end), got {interval!r}")
             self._append_segments(interval[0], interval[1], interval[2], seg_source_row, seg_start)
@@ -771,10 +612,10 @@ class RoutedExpertsCache:
         over the batch; the others (prefix rows, unknown requests, invalid ranges) take
         ``read_packed``'s path and its errors. Nothing is copied unless every row exists.
         """
-        request_ids = _as_list(request_ids, "read request ids", RangeUnavailableError)
+        request_ids = as_list(request_ids, "read request ids", RangeUnavailableError)
         slots = self._batch_slots(request_ids, slots)
         n, size = len(request_ids), self.page_size
-        starts, ends = (_index_array(v, w, n, RangeUnavailableError) for v, w in ((starts, "starts"), (ends, "ends")))
+        starts, ends = (index_array(v, w, n, RangeUnavailableError) for v, w in ((starts, "starts"), (ends, "ends")))
         first_block = self._first_block[slots]
         own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
         own &= ends <= self._cursor[slots]
@@ -808,10 +649,10 @@ class RoutedExpertsCache:
     def _append_segments(self, request_id, start, end, seg_source_row: list, seg_start: list) -> None:
         """Append the pool segments covering [start, end); raise if any row is missing."""
         if type(request_id) is not str:
-            _check_request_id(request_id)
+            check_request_id(request_id)
         if type(start) is not int or type(end) is not int:
-            _check_position("start", start, request_id)
-            _check_position("end", end, request_id)
+            check_position("start", start, request_id)
+            check_position("end", end, request_id)
         if not 0 <= start <= end:
             raise RangeUnavailableError(f"request {request_id!r}: invalid range [{start}, {end})")
         request = self._requests.get(request_id)
@@ -831,7 +672,7 @@ class RoutedExpertsCache:
             if position >= own_start:
                 page = request.own_pages[block - first_block]
             else:
-                page = self._index.get(request.hashes[block]) if block < len(request.hashes) else None
+                page = self._pages.published.get(request.hashes[block]) if block < len(request.hashes) else None
                 if page is None:
                     raise self._unavailable(request_id, request, start, end)
             block_end = block * size + size
@@ -846,7 +687,7 @@ class RoutedExpertsCache:
         prefix_blocks = min(len(request.hashes), own_start // self.page_size)
         ranges: list[tuple[int, int]] = []
         for block in range(prefix_blocks):
-            if request.hashes[block] in self._index:
+            if request.hashes[block] in self._pages.published:
                 first = block * self.page_size
                 if ranges and ranges[-1][1] == first:
                     ranges[-1] = (ranges[-1][0], first + self.page_size)
@@ -871,7 +712,7 @@ class RoutedExpertsCache:
         Owned pages are freed; pins are released in reverse block order, so the request's
         last blocks become the first to be evicted.
         """
-        _check_request_id(request_id)
+        check_request_id(request_id)
         request = self._requests.pop(request_id, None)
         if request is None:
             return
@@ -880,9 +721,9 @@ class RoutedExpertsCache:
         self._slot_ids[request.slot] = None
         self._free_slots.append(request.slot)
         pinned = self._pinned_hashes(request)
-        published = {self._index.get(block_hash) for block_hash in pinned}
-        self._free.extend(page for page in reversed(request.own_pages) if page not in published)
-        self._unpin(reversed(pinned))
+        published = {self._pages.published.get(block_hash) for block_hash in pinned}
+        self._pages.free.extend(page for page in reversed(request.own_pages) if page not in published)
+        self._pages.unpin(reversed(pinned))
 
     def rewind(self, request_id, position: int) -> None:
         """Forget a request's captured rows from ``position`` on: the engine recomputes them.
@@ -893,8 +734,8 @@ class RoutedExpertsCache:
         rewind must be on a page boundary, and those prefix blocks become the request's own
         (it recomputes them). Unknown requests and positions at or past the cursor: no-op.
         """
-        _check_request_id(request_id)
-        if _check_position("position", position, request_id) < 0:
+        check_request_id(request_id)
+        if check_position("position", position, request_id) < 0:
             raise InvalidCaptureError(f"request {request_id!r}: rewind position must be >= 0, got {position}")
         request = self._requests.get(request_id)
         if request is None or request.first_block is None or position >= self._cursor_of(request):
@@ -909,17 +750,16 @@ class RoutedExpertsCache:
         partial = max(0, position - own_start) // size  # own blocks before this one stay settled
         for offset in range(partial, request.num_settled):
             block_hash = request.hashes[first_block + offset]
-            if self._index.get(block_hash) == request.own_pages[offset]:
-                del self._index[block_hash]  # its rows came from the rolled-back computation
-                self._unpin([block_hash])
+            if self._pages.published.get(block_hash) == request.own_pages[offset]:
+                self._pages.unpublish(block_hash)  # its rows came from the rolled-back computation
         request.num_settled = min(request.num_settled, partial)
         keep = -(-max(0, position - own_start) // size)  # own pages still holding rows
-        self._free.extend(reversed(request.own_pages[keep:]))
+        self._pages.free.extend(reversed(request.own_pages[keep:]))
         del request.own_pages[keep:]
         if position < own_start:
             request.first_block = position // size
             self._first_block[request.slot] = request.first_block
-            self._unpin(reversed(request.hashes[request.first_block : first_block]))
+            self._pages.unpin(reversed(request.hashes[request.first_block : first_block]))
         self._counters["rewound_rows"] += self._cursor_of(request) - position
         self._cursor[request.slot] = position
 
@@ -932,11 +772,11 @@ class RoutedExpertsCache:
 
     def is_published(self, block_hash: bytes) -> bool:
         """Whether a block with this hash is in the index (findable by prefix hits)."""
-        return block_hash in self._index
+        return block_hash in self._pages.published
 
     def page_states(self) -> dict[int, str]:
         """State of every non-free page: 'tail', 'pending', 'duplicate' or 'published'."""
-        states = {page: "published" for page in self._index.values()}
+        states = {page: "published" for page in self._pages.published.values()}
         for request in self._requests.values():
             for offset, page in enumerate(request.own_pages):
                 if offset < request.num_settled:
@@ -953,17 +793,17 @@ class RoutedExpertsCache:
         return {
             "num_pages": self.num_pages,
             "page_size": self.page_size,
-            "free": len(self._free),
+            "free": len(self._pages.free),
             "tail": counts["tail"],
             "pending": counts["pending"],
             "duplicate": counts["duplicate"],
             "published": counts["published"],
-            "evictable": len(self._evictable),
-            "pinned_hashes": len(self._pins),
+            "evictable": len(self._pages.evictable),
+            "pinned_hashes": len(self._pages.pins),
             "requests": len(self._requests),
             "generation": self.generation,
-            "evictions": self._counters["evictions"],
-            "published_blocks": self._counters["published_blocks"],
+            "evictions": self._pages.evictions,
+            "published_blocks": self._pages.published_blocks,
             "prefix_hit_rows": self._counters["prefix_hit_rows"],
             "captured_rows": self._counters["captured_rows"],
             "read_rows": self._counters["read_rows"],
@@ -972,13 +812,11 @@ class RoutedExpertsCache:
 
     def check_consistency(self) -> None:
         """Raise if the page accounting is broken (used by the property tests)."""
-        states = self.page_states()
-        free = list(self._free)
-        problems = []
-        if len(set(free)) != len(free) or set(free) & set(states):
-            problems.append("a free page is also in use")
-        if len(free) + len(states) != self.num_pages:
-            problems.append(f"{self.num_pages - len(free) - len(states)} pages are in no state")
+        owned = [page for r in self._requests.values() for page in r.own_pages]
+        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + self._retained
+        problems = self._pages.problems(set(owned), expected_pins)
+        if len(set(owned)) != len(owned):
+            problems.append("a page is owned by two requests")
         for request_id, r in self._requests.items():
             first = r.first_block if r.first_block is not None else -1
             if (
@@ -988,13 +826,5 @@ class RoutedExpertsCache:
                 problems.append("a request's slot arrays disagree with its block map")
             elif r.own_pages and self._table[r.slot, first : first + len(r.own_pages)].tolist() != r.own_pages:
                 problems.append("the block table disagrees with a request's own pages")
-        owners = Counter(p for r in self._requests.values() for p in r.own_pages)
-        if any(n > 1 for n in owners.values()):
-            problems.append("a page is owned by two requests")
-        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + self._retained
-        if +self._pins != expected_pins:
-            problems.append("pin counts differ from the requests' hashes plus retained hashes")
-        if set(self._evictable) != {h for h in self._index if self._pins[h] == 0}:
-            problems.append("the evictable set differs from the unpinned published keys")
         if problems:
             raise RoutedExpertsCacheError("cache accounting is inconsistent: " + "; ".join(problems))
