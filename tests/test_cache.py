@@ -1064,17 +1064,35 @@ def test_batched_calls_match_the_per_request_calls_and_refuse_a_stale_slot(make_
     packed, offsets = batched.read_batch([], [], [])
     assert packed.shape == (0, *ROW) and offsets.tolist() == [0] and batched.stats() == before
     batched.finish("a")
-    batched.capture("c", 0, source[:2])  # takes a's freed slot
-    assert batched.slots(["c"])[0] == slots[0]
-    before = batched.stats(), batched.page_states(), batched.pages.clone()
-    for call in (
-        lambda: batched.read_batch(["a"], [0], [2], slots=slots[:1]),
-        lambda: batched.capture_batch(source, ["a"], [2], [0], [1], slots=slots[:1]),
-    ):
-        with pytest.raises(RoutedExpertsCacheError, match="does not belong"):
-            call()
-        assert (batched.stats(), batched.page_states()) == before[:2] and torch.equal(batched.pages, before[2])
+    for reused in (False, True):  # a's slot while free, then once "c" took it
+        if reused:
+            batched.capture("c", 0, source[:2])
+            assert batched.slots(["c"])[0] == slots[0]
+        before = batched.stats(), batched.page_states(), batched.pages.clone()
+        for call in (
+            lambda: batched.read_batch(["a"], [0], [2], slots=slots[:1]),
+            lambda: batched.capture_batch(source, ["a"], [9], [0], [1], slots=slots[:1]),
+        ):
+            with pytest.raises(RoutedExpertsCacheError, match="does not belong"):
+                call()
+            assert (batched.stats(), batched.page_states()) == before[:2] and torch.equal(batched.pages, before[2])
     assert_accounting(batched)
+
+
+def test_a_reused_slot_starts_empty(make_cache, gen):
+    """A request that takes a finished request's slot has captured nothing yet: its cursor,
+    first block and pages start afresh."""
+    cache = make_cache(8, page_size=4)
+    cache.capture("a", 4, rand_rows(gen, 10))
+    cache.finish("a")
+    (slot,) = cache.slots(["b"])  # a's slot, registered without a capture
+    assert_unavailable(cache, "b", 0, 1)
+    with pytest.raises(RangeUnavailableError):
+        cache.read_batch(["b"], [4], [6], slots=[slot])
+    rows = rand_rows(gen, 3)
+    cache.capture_batch(rows, ["b"], [0], [0], [3], slots=[slot])
+    assert_rows(cache.read_batch(["b"], [0], [3], slots=[slot])[0], u8(rows))
+    assert_accounting(cache)
 
 
 def test_a_batch_takes_the_pages_its_copy_wrote_when_a_first_capture_frees_a_stale_page(make_cache, gen):
@@ -1121,3 +1139,18 @@ def test_a_copy_that_fails_midway_unpublishes_the_pages_it_was_evicting(make_cac
     assert_unavailable(cache, "c", 0, 4)
     cache.capture("c", 0, rows[:3])  # the freed pages serve new captures
     assert_rows(cache.read("c", 0, 3), u8(rows[:3]))
+
+
+def test_long_requests_and_many_requests_grow_the_slot_arrays(make_cache, gen):
+    """The block table starts 16 blocks wide and the slot arrays 16 slots long: a step past
+    either grows them, and every row stays where it was."""
+    cache = make_cache(800, page_size=1)
+    rows = rand_rows(gen, 40)
+    ids = [f"r{i}" for i in range(20)]
+    cache.capture_from(torch.cat([rows[:5]] * 20), [(r, 0, 5 * i, 5) for i, r in enumerate(ids)])
+    for start in range(5, 40, 5):  # continuing spans: 40 blocks per request by the end
+        cache.capture_batch(torch.cat([rows[start : start + 5]] * 20), ids, [start] * 20, range(0, 100, 5), [5] * 20)
+    packed, offsets = cache.read_batch(ids, [0] * 20, [40] * 20)
+    assert_rows(packed, u8(torch.cat([rows] * 20)))
+    assert offsets.tolist() == list(range(0, 801, 40))
+    assert_accounting(cache)

@@ -25,7 +25,6 @@ the arrays do not cover (first captures, prefix reads), which take the per-reque
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 from math import prod
 
 import numpy as np
@@ -38,12 +37,13 @@ from .checks import (
 from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 from .kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
 from .page_pool import PagePool
+from .request_slots import RequestSlots
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
 
 
 class _Request:
-    """A request's block map; its cursor (next position to capture) is ``cache._cursor[slot]``."""
+    """A request's block map; its cursor (next position to capture) is ``RequestSlots.cursor[slot]``."""
 
     __slots__ = ("slot", "hashes", "first_block", "own_pages", "num_settled")
 
@@ -120,45 +120,14 @@ class RoutedExpertsCache:
         self._retained: Counter[bytes] = Counter()  # pins taken by retain(), for release()
         self._requests: dict[object, _Request] = {}
         self._counters = Counter()
-        self._slot_of: dict[object, int] = {}
-        self._slot_requests: list[_Request | None] = []
-        self._free_slots: list[int] = []
-        self._cursor = np.zeros(16, dtype=np.int64)  # per slot: next position to capture
-        self._first_block = np.full(16, -1, dtype=np.int64)  # per slot: first own block, -1 before
-        self._table = np.full((16, 16), -1, dtype=np.int64)  # per slot and block: own page
-        self._slot_ids = np.full(16, None, dtype=object)  # per slot: its request id (checks given slots)
+        self._slots = RequestSlots()
 
     def _register(self, request_id, request: _Request) -> None:
-        """Give a new request a slot (all bookkeeping arrays grow by doubling)."""
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            slot = len(self._slot_requests)
-            self._slot_requests.append(None)
-            if slot == len(self._cursor):
-                self._cursor = np.concatenate([self._cursor, np.zeros_like(self._cursor)])
-                self._first_block = np.concatenate([self._first_block, np.full_like(self._first_block, -1)])
-                self._table = np.concatenate([self._table, np.full_like(self._table, -1)])
-                self._slot_ids = np.concatenate([self._slot_ids, np.full_like(self._slot_ids, None)])
-        request.slot = slot
-        self._slot_of[request_id] = slot
-        self._slot_requests[slot] = request
-        self._slot_ids[slot] = request_id
-        self._cursor[slot] = 0
-        self._first_block[slot] = -1 if request.first_block is None else request.first_block
+        request.slot = self._slots.add(request_id, request, -1 if request.first_block is None else request.first_block)
         self._requests[request_id] = request
 
     def _cursor_of(self, request: _Request) -> int:
-        return int(self._cursor[request.slot]) if request.slot >= 0 else 0
-
-    def _set_table(self, slots, blocks, pages) -> None:
-        """Mirror own pages into the block table (``table[slots, blocks] = pages``), widening it."""
-        width = int(np.max(blocks)) + 1
-        if width > self._table.shape[1]:
-            grown = np.full((self._table.shape[0], 1 << (width - 1).bit_length()), -1, dtype=np.int64)
-            grown[:, : self._table.shape[1]] = self._table
-            self._table = grown
-        self._table[slots, blocks] = pages
+        return int(self._slots.cursor[request.slot]) if request.slot >= 0 else 0
 
     # ----------------------------------------------------------------- capture
 
@@ -204,34 +173,11 @@ class RoutedExpertsCache:
         stays valid until its request is finished or the cache reset.
         """
         request_ids = as_list(request_ids, "request ids", RoutedExpertsCacheError)
-        slots = self._lookup_slots(request_ids)
+        slots = self._slots.lookup(request_ids)
         for i in np.flatnonzero(slots < 0).tolist():
-            if request_ids[i] not in self._slot_of:  # an id listed twice is registered once
+            if request_ids[i] not in self._slots.of:  # an id listed twice is registered once
                 self._register(request_ids[i], _Request())
-            slots[i] = self._slot_of[request_ids[i]]
-        return slots
-
-    def _lookup_slots(self, request_ids: list) -> np.ndarray:
-        """Slots of known requests, -1 for unknown ones; ids of the wrong type are refused."""
-        if not set(map(type, request_ids)) <= {str, int}:
-            for request_id in request_ids:
-                check_request_id(request_id)
-        return np.fromiter(map(self._slot_of.get, request_ids, repeat(-1)), dtype=np.int64, count=len(request_ids))
-
-    def _batch_slots(self, request_ids: list, slots) -> np.ndarray:
-        """Given slots are checked against the ids (a stale slot must never read another's rows)."""
-        if slots is None:
-            return self._lookup_slots(request_ids)
-        slots = index_array(slots, "slots", len(request_ids))
-        if len(slots) and (slots.min() < 0 or slots.max() >= len(self._slot_requests)):
-            raise RoutedExpertsCacheError(f"slots must come from slots(); got values outside [0, {len(self._slot_requests)})")
-        owners = self._slot_ids[slots].tolist()
-        if owners != request_ids:
-            i = next(i for i, (owner, request_id) in enumerate(zip(owners, request_ids)) if owner != request_id)
-            raise RoutedExpertsCacheError(
-                f"slot {slots[i]} does not belong to request {request_ids[i]!r} (slots stay valid until "
-                f"their request finishes or the cache is reset)"
-            )
+            slots[i] = self._slots.of[request_ids[i]]
         return slots
 
     def capture_batch(self, source: torch.Tensor, request_ids: Sequence, starts, source_starts, counts, slots=None) -> None:
@@ -244,7 +190,7 @@ class RoutedExpertsCache:
         """
         request_ids = as_list(request_ids, "capture request ids")
         check_rows("<batch>", source, self.row_shape)
-        slots = self._batch_slots(request_ids, slots)
+        slots = self._slots.checked(request_ids, slots)
         n = len(request_ids)
         starts, source_starts, counts = (
             index_array(values, name, n, InvalidCaptureError)
@@ -254,9 +200,9 @@ class RoutedExpertsCache:
         valid = (starts >= 0) & (source_starts >= 0) & (counts >= 0) & (source_starts + counts <= source.shape[0])
         active = counts != 0
         known = slots >= 0
-        continuing = valid & active & known & (self._first_block[slots] >= 0) & (starts == self._cursor[slots])
+        continuing = valid & active & known & (self._slots.first_block[slots] >= 0) & (starts == self._slots.cursor[slots])
         if continuing.any():
-            listed = np.bincount(slots[active & known], minlength=len(self._slot_requests))
+            listed = np.bincount(slots[active & known], minlength=len(self._slots.requests))
             continuing &= listed[slots] == 1
         others = np.flatnonzero(~continuing & (active | ~valid)).tolist()
         spans = [(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in others]
@@ -343,7 +289,7 @@ class RoutedExpertsCache:
             is_new = block >= first_new[span]
             batch_pages = np.array(new_pages[taken:], dtype=np.int64)
             new_offset = (np.cumsum(num_new) - num_new)[span] + block - first_new[span]
-            table = self._table[slots[span], np.minimum(block, self._table.shape[1] - 1)]
+            table = self._slots.table[slots[span], np.minimum(block, self._slots.table.shape[1] - 1)]
             page = np.where(is_new, batch_pages[np.where(is_new, new_offset, 0)] if batch_new else 0, table)
             descriptor[0] = np.concatenate([descriptor[0], source_starts[span] + first - starts[span]])
             descriptor[1] = np.concatenate([descriptor[1], page * size + first - block * size])
@@ -366,7 +312,7 @@ class RoutedExpertsCache:
         if batch is not None:  # only requests that completed a block can have one to settle
             slots, starts, _, counts, _ = batch
             for slot in slots[(starts + counts) // size > starts // size].tolist():
-                request = self._slot_requests[slot]
+                request = self._slots.requests[slot]
                 if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
                     self._settle(request)
         self._counters["captured_rows"] += int(lengths.sum())
@@ -393,10 +339,10 @@ class RoutedExpertsCache:
             offsets = np.cumsum(num_new) - num_new
             page_slots = np.repeat(slots, num_new)
             blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
-            self._set_table(page_slots, blocks, pages)
+            self._slots.set_pages(page_slots, blocks, pages)
             for slot, page in zip(page_slots.tolist(), pages):  # in block order per request
-                self._slot_requests[slot].own_pages.append(page)
-        self._cursor[slots] = starts + counts
+                self._slots.requests[slot].own_pages.append(page)
+        self._slots.cursor[slots] = starts + counts
 
     def _first_capture_unpins(self, plans: list[tuple]) -> list[bytes]:
         """The hashes this call's first captures stop pinning (the request's own blocks), in
@@ -416,8 +362,8 @@ class RoutedExpertsCache:
                 request.first_block = start // self.page_size
                 if request.slot < 0:
                     self._register(request_id, request)
-                self._first_block[request.slot] = request.first_block
-                self._cursor[request.slot] = start
+                self._slots.first_block[request.slot] = request.first_block
+                self._slots.cursor[request.slot] = start
                 self._counters["prefix_hit_rows"] += start
                 self._pages.unpin(reversed(request.hashes[request.first_block :]))
 
@@ -431,9 +377,9 @@ class RoutedExpertsCache:
                 table_blocks += range(first, first + num_new)
                 request.own_pages += pages[taken : taken + num_new]
                 taken += num_new
-            self._cursor[request.slot] = start + count
+            self._slots.cursor[request.slot] = start + count
         if pages:
-            self._set_table(table_slots, table_blocks, pages)
+            self._slots.set_pages(table_slots, table_blocks, pages)
 
     def _copy_on_device(self, source, target, lengths, seg_source_row, seg_target_row) -> None:
         """One host-to-device descriptor copy, one kernel launch; segment i copies
@@ -528,7 +474,7 @@ class RoutedExpertsCache:
             else:
                 if first_new < first_block:
                     self._pages.pin(hashes[: first_block - first_new])
-                if first_block + request.num_settled < self._cursor[request.slot] // size:
+                if first_block + request.num_settled < self._slots.cursor[request.slot] // size:
                     self._settle(request)  # a full own block may have its hash now
 
     def retain(self, hashes: Iterable[bytes]) -> None:
@@ -613,17 +559,17 @@ class RoutedExpertsCache:
         ``read_packed``'s path and its errors. Nothing is copied unless every row exists.
         """
         request_ids = as_list(request_ids, "read request ids", RangeUnavailableError)
-        slots = self._batch_slots(request_ids, slots)
+        slots = self._slots.checked(request_ids, slots)
         n, size = len(request_ids), self.page_size
         starts, ends = (index_array(v, w, n, RangeUnavailableError) for v, w in ((starts, "starts"), (ends, "ends")))
-        first_block = self._first_block[slots]
+        first_block = self._slots.first_block[slots]
         own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
-        own &= ends <= self._cursor[slots]
+        own &= ends <= self._slots.cursor[slots]
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
         pick = np.flatnonzero(own)
         span, block, first, end = self._page_runs(starts[pick], ends[pick])
-        pages = self._table[slots[pick][span], block]
+        pages = self._slots.table[slots[pick][span], block]
         source_rows, target_rows = [pages * size + first - block * size], [offsets[pick][span] + first - starts[pick][span]]
         lengths = [end - first]
         others = np.flatnonzero(~own).tolist()
@@ -716,10 +662,7 @@ class RoutedExpertsCache:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        del self._slot_of[request_id]
-        self._slot_requests[request.slot] = None
-        self._slot_ids[request.slot] = None
-        self._free_slots.append(request.slot)
+        self._slots.remove(request_id)
         pinned = self._pinned_hashes(request)
         published = {self._pages.published.get(block_hash) for block_hash in pinned}
         self._pages.free.extend(page for page in reversed(request.own_pages) if page not in published)
@@ -758,10 +701,10 @@ class RoutedExpertsCache:
         del request.own_pages[keep:]
         if position < own_start:
             request.first_block = position // size
-            self._first_block[request.slot] = request.first_block
+            self._slots.first_block[request.slot] = request.first_block
             self._pages.unpin(reversed(request.hashes[request.first_block : first_block]))
         self._counters["rewound_rows"] += self._cursor_of(request) - position
-        self._cursor[request.slot] = position
+        self._slots.cursor[request.slot] = position
 
     def reset(self) -> None:
         """Drop every request and page; hashes from before never hit again."""
@@ -820,11 +763,11 @@ class RoutedExpertsCache:
         for request_id, r in self._requests.items():
             first = r.first_block if r.first_block is not None else -1
             if (
-                self._slot_requests[r.slot] is not r or self._first_block[r.slot] != first
-                or self._slot_ids[r.slot] != request_id or self._slot_of[request_id] != r.slot
+                self._slots.requests[r.slot] is not r or self._slots.first_block[r.slot] != first
+                or self._slots.ids[r.slot] != request_id or self._slots.of[request_id] != r.slot
             ):
                 problems.append("a request's slot arrays disagree with its block map")
-            elif r.own_pages and self._table[r.slot, first : first + len(r.own_pages)].tolist() != r.own_pages:
+            elif r.own_pages and self._slots.table[r.slot, first : first + len(r.own_pages)].tolist() != r.own_pages:
                 problems.append("the block table disagrees with a request's own pages")
         if problems:
             raise RoutedExpertsCacheError("cache accounting is inconsistent: " + "; ".join(problems))
