@@ -1154,3 +1154,18 @@ def test_long_requests_and_many_requests_grow_the_slot_arrays(make_cache, gen):
     assert_rows(packed, u8(torch.cat([rows] * 20)))
     assert offsets.tolist() == list(range(0, 801, 40))
     assert_accounting(cache)
+
+
+def test_a_continuing_batch_that_needs_more_pages_than_exist_is_refused_whole(make_cache, gen):
+    """Continuing spans count toward the pages a step needs: when they do not fit, the step is
+    refused with the continuing requests named, and nothing of it is applied."""
+    cache = make_cache(4, page_size=2)
+    source = rand_rows(gen, 8)
+    cache.capture_from(source, [("a", 0, 0, 1), ("b", 0, 1, 1), ("c", 0, 2, 1)])  # 3 pages, 1 free
+    before = cache.stats(), cache.page_states(), cache.pages.clone()
+    with pytest.raises(CacheFullError, match=r"3 continuing requests \(3 pages\)"):
+        cache.capture_batch(source, ["a", "b", "c"], [1, 1, 1], [3, 4, 5], [2, 2, 2])
+    assert (cache.stats(), cache.page_states()) == before[:2] and torch.equal(cache.pages, before[2])
+    cache.capture_batch(source, ["a", "b", "c"], [1, 1, 1], [3, 4, 5], [1, 1, 1])  # fills their pages: fits
+    assert_rows(cache.read_batch(["a", "b", "c"], [0] * 3, [2] * 3)[0], u8(source[[0, 3, 1, 4, 2, 5]]))
+    assert_accounting(cache)

@@ -249,17 +249,51 @@ class RoutedExpertsCache:
         """
         batch_new = int(batch[4].sum()) if batch is not None else 0
         releasing = self._pages.released_by(self._first_capture_unpins(plans))
-        free, evictable = len(self._pages.free), len(self._pages.evictable) + len(releasing)
-        if num_new_pages + batch_new > free + evictable:
-            wanted = [f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans]
-            if batch is not None:
-                wanted.append(f"{len(batch[0])} continuing requests ({batch_new} pages)")
-            raise CacheFullError(
-                f"capture of {', '.join(wanted)} needs {num_new_pages + batch_new} new pages; only "
-                f"{free} free and {evictable} evictable of {self.num_pages} "
-                f"(the rest are pinned or owned by live requests)"
-            )
+        self._check_room(plans, num_new_pages, batch, batch_new, len(releasing))
         new_pages, victims = self._pages.next_pages(num_new_pages + batch_new, releasing)
+        segments = [self._plan_segments(plans, new_pages[:num_new_pages])]
+        if batch is not None:
+            segments.append(self._batch_segments(batch, new_pages[num_new_pages:]))
+        source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
+        try:
+            self._copy_on_device(source_words, self._pool_words, lengths, source_rows, target_rows)
+        except Exception:
+            self._pages.discard(victims)  # their rows may be partly overwritten (fail closed)
+            raise
+        # Every page is taken before any block settles: settling frees and pins pages, which
+        # would change which pages the allocation takes from the ones the copy wrote.
+        self._start_first_captures(plans)
+        pages = [self._pages.allocate() for _ in range(num_new_pages + batch_new)]
+        self._commit_captures(plans, pages[:num_new_pages])
+        if batch is not None:
+            self._commit_batch(batch, pages[num_new_pages:])
+        for _, request, *_ in plans:
+            self._settle(request)
+        if batch is not None:  # only requests that completed a block can have one to settle
+            slots, starts, _, counts, _ = batch
+            for slot in slots[(starts + counts) // self.page_size > starts // self.page_size].tolist():
+                request = self._slots.requests[slot]
+                if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
+                    self._settle(request)
+        self._counters["captured_rows"] += int(lengths.sum())
+
+    def _check_room(self, plans: list[tuple], num_new_pages: int, batch, batch_new: int, releasing: int) -> None:
+        """Refuse a capture that needs more new pages than are free or evictable."""
+        free, evictable = len(self._pages.free), len(self._pages.evictable) + releasing
+        if num_new_pages + batch_new <= free + evictable:
+            return
+        wanted = [f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans]
+        if batch is not None:
+            wanted.append(f"{len(batch[0])} continuing requests ({batch_new} pages)")
+        raise CacheFullError(
+            f"capture of {', '.join(wanted)} needs {num_new_pages + batch_new} new pages; only "
+            f"{free} free and {evictable} evictable of {self.num_pages} "
+            f"(the rest are pinned or owned by live requests)"
+        )
+
+    def _plan_segments(self, plans: list[tuple], new_pages: list[int]):
+        """``(source_rows, target_rows, lengths)`` of the planned spans, one segment per page
+        run; ``new_pages`` are the pages their new blocks take, in plan order."""
         size, taken = self.page_size, 0
         seg_start, seg_source_row, seg_target_row = [0], [], []
         pages_after: dict[int, tuple[int, list[int]]] = {}  # per request: first block, pages after this call
@@ -280,42 +314,22 @@ class RoutedExpertsCache:
                 seg_start.append(seg_start[-1] + run_end - position)
                 source_row += run_end - position
                 position = run_end
-        descriptor = [np.array(seg_source_row, dtype=np.int64), np.array(seg_target_row, dtype=np.int64)]
-        lengths = [np.diff(seg_start)]
-        if batch is not None:
-            slots, starts, source_starts, counts, num_new = batch
-            span, block, first, end = self._page_runs(starts, starts + counts)
-            first_new = -(-starts // size)  # the batch's first block without a page yet
-            is_new = block >= first_new[span]
-            batch_pages = np.array(new_pages[taken:], dtype=np.int64)
-            new_offset = (np.cumsum(num_new) - num_new)[span] + block - first_new[span]
-            table = self._slots.table[slots[span], np.minimum(block, self._slots.table.shape[1] - 1)]
-            page = np.where(is_new, batch_pages[np.where(is_new, new_offset, 0)] if batch_new else 0, table)
-            descriptor[0] = np.concatenate([descriptor[0], source_starts[span] + first - starts[span]])
-            descriptor[1] = np.concatenate([descriptor[1], page * size + first - block * size])
-            lengths.append(end - first)
-        lengths = np.concatenate(lengths)
-        try:
-            self._copy_on_device(source_words, self._pool_words, lengths, *descriptor)
-        except Exception:
-            self._pages.discard(victims)  # their rows may be partly overwritten (fail closed)
-            raise
-        # Every page is taken before any block settles: settling frees and pins pages, which
-        # would change which pages the allocation takes from the ones the copy wrote.
-        self._start_first_captures(plans)
-        pages = [self._pages.allocate() for _ in range(num_new_pages + batch_new)]
-        self._commit_captures(plans, pages[:num_new_pages])
-        if batch is not None:
-            self._commit_batch(batch, pages[num_new_pages:])
-        for _, request, *_ in plans:
-            self._settle(request)
-        if batch is not None:  # only requests that completed a block can have one to settle
-            slots, starts, _, counts, _ = batch
-            for slot in slots[(starts + counts) // size > starts // size].tolist():
-                request = self._slots.requests[slot]
-                if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
-                    self._settle(request)
-        self._counters["captured_rows"] += int(lengths.sum())
+        return np.array(seg_source_row, dtype=np.int64), np.array(seg_target_row, dtype=np.int64), np.diff(seg_start)
+
+    def _batch_segments(self, batch, new_pages: list[int]):
+        """``(source_rows, target_rows, lengths)`` of the continuing spans, vectorised: a
+        block the request already has a page for reads it from the block table, a new block
+        takes the next of ``new_pages`` (in span order)."""
+        slots, starts, source_starts, counts, num_new = batch
+        size, table = self.page_size, self._slots.table
+        span, block, first, end = self._page_runs(starts, starts + counts)
+        first_new = -(-starts // size)  # the span's first block without a page yet
+        is_new = block >= first_new[span]
+        new_offset = (np.cumsum(num_new) - num_new)[span] + block - first_new[span]
+        old_page = table[slots[span], np.minimum(block, table.shape[1] - 1)]
+        new_page = np.array(new_pages, dtype=np.int64)[np.where(is_new, new_offset, 0)] if new_pages else 0
+        page = np.where(is_new, new_page, old_page)
+        return source_starts[span] + first - starts[span], page * size + first - block * size, end - first
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
         """Split intervals ``[starts[i], ends[i])`` at page boundaries, vectorised.
