@@ -364,21 +364,16 @@ def main() -> None:
         ours, theirs = results["routed-experts-cache"]["outputs"], results["vllm-0.33-builtin"]["outputs"]
         if not same_outputs(ours, theirs) or not same_outputs(ours, trace["outputs"]):
             raise SystemExit(f"outputs differ between the two connectors at concurrency {concurrency}")
-        for impl in builders():
-            samples = timings[impl]
-            rss = json.loads(subprocess.run(
+        for impl in timed_builders:  # the floor is no connector: its memory is not measured
+            rss = float("nan") if impl == FLOOR else json.loads(subprocess.run(
                 [sys.executable, __file__, "--steps", str(args.steps), "--rss", impl, str(concurrency),
                  "--output-tokens", *map(str, args.output_tokens)],
                 capture_output=True, text=True, check=True,
-            ).stdout.strip().splitlines()[-1])
+            ).stdout.strip().splitlines()[-1])["rss_growth_MiB"]
             rows.append({
-                **summarize(impl, concurrency, samples), "output_tokens": "{}-{}".format(*args.output_tokens),
-                "requests_in_trace": trace["requests"], "rss_growth_MiB": rss["rss_growth_MiB"],
+                **summarize(impl, concurrency, timings[impl]), "output_tokens": "{}-{}".format(*args.output_tokens),
+                "requests_in_trace": trace["requests"], "rss_growth_MiB": rss,
             })
-        rows.append({
-            **summarize(FLOOR, concurrency, timings[FLOOR]), "output_tokens": "{}-{}".format(*args.output_tokens),
-            "requests_in_trace": trace["requests"], "rss_growth_MiB": float("nan"),
-        })
         ours, theirs, floor = rows[-3:]
         for row in (ours, theirs, floor):
             row["cpu_ratio_to_vllm"] = row["cpu_median_ms"] / theirs["cpu_median_ms"]

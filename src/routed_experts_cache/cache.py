@@ -123,7 +123,7 @@ class RoutedExpertsCache:
         self._slots = RequestSlots()
 
     def _register(self, request_id, request: _Request) -> None:
-        request.slot = self._slots.add(request_id, request, -1 if request.first_block is None else request.first_block)
+        request.slot = self._slots.add(request_id, request)
         self._requests[request_id] = request
 
     def _cursor_of(self, request: _Request) -> int:

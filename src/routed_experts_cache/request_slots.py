@@ -27,8 +27,8 @@ class RequestSlots:
         self.table = np.full((16, 16), -1, dtype=np.int64)
         self.ids = np.full(16, None, dtype=object)
 
-    def add(self, request_id, request, first_block: int) -> int:
-        """Give a new request a slot (cursor 0) and return it."""
+    def add(self, request_id, request) -> int:
+        """Give a new request a slot (nothing captured: cursor 0, first block -1) and return it."""
         if self._free:
             slot = self._free.pop()
         else:
@@ -43,7 +43,7 @@ class RequestSlots:
         self.requests[slot] = request
         self.ids[slot] = request_id
         self.cursor[slot] = 0
-        self.first_block[slot] = first_block
+        self.first_block[slot] = -1
         return slot
 
     def remove(self, request_id) -> None:
