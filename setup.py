@@ -1,15 +1,19 @@
 """routed-experts-cache: a GPU-resident cache of MoE routing rows and a vLLM drop-in.
 
-The package lives in ``src/routed_experts_cache`` (the cache and its page pool at the top,
-``kernels/``: the Triton segment copy and its torch twin; ``connector/``: the vLLM adapter).
+The installed package ``routed_experts_cache`` is put together from three folders of this
+repository: ``src/routed_experts_cache`` (the top-level import, errors, ``py.typed``),
+``kernels/`` (the Triton segment copy and its torch twin) and ``connector/`` (the engine-agnostic
+cache and, in ``connector/vllm/``, its vLLM adapter).
 """
 
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 HERE = Path(__file__).resolve().parent
+PACKAGES = ["routed_experts_cache", "routed_experts_cache.kernels", "routed_experts_cache.connector",
+            "routed_experts_cache.connector.vllm"]
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "src/routed_experts_cache/__init__.py").read_text())[1]
 
 setup(
@@ -21,18 +25,23 @@ setup(
     license="Apache-2.0",
     license_files=["LICENSE"],
     python_requires=">=3.10",
-    package_dir={"": "src"},
-    packages=find_packages("src"),
+    package_dir={
+        "routed_experts_cache": "src/routed_experts_cache",
+        "routed_experts_cache.kernels": "kernels",
+        "routed_experts_cache.connector": "connector",
+        "routed_experts_cache.connector.vllm": "connector/vllm",
+    },
+    packages=PACKAGES,
     package_data={"routed_experts_cache": ["py.typed"]},
     # Triton only where its kernels can run (Linux); the torch backend needs neither.
     install_requires=["torch>=2.4", "numpy", "triton>=3.6,<3.9; platform_system == 'Linux'"],
     extras_require={
-        "vllm": ["vllm>=0.32,<0.34"],
+        "vllm": ["vllm>=0.32,<0.35"],
         "test": ["pytest", "hypothesis"],
     },
     entry_points={
         "vllm.general_plugins": [
-            "routed_experts_cache = routed_experts_cache.connector.vllm_plugin:register",
+            "routed_experts_cache = routed_experts_cache.connector.vllm.plugin:register",
         ]
     },
     classifiers=[

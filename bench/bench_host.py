@@ -1,9 +1,11 @@
-"""Host work per engine step: this project's worker connector vs vLLM 0.33's built-in one.
+"""Host work per engine step: this project's worker connector vs the installed vLLM's built-in one.
 
     .venv-vllm033/bin/python bench/bench_host.py [--concurrency 16 64 256 1024] [--steps 120]
+    .venv-vllm034/bin/python bench/bench_host.py ...   (the same against vLLM 0.34)
 
-One synthetic engine trace per concurrency level is recorded from the real vLLM 0.33
-scheduler (``cpu_harness/vllm033.py``: its ``Scheduler``, ``KVCacheManager``, block hasher
+The built-in connector is labelled with the installed version (``vllm-0.34.0-builtin``). One
+synthetic engine trace per concurrency level is recorded from the installed vLLM's real
+scheduler (``cpu_harness/vllm_scheduler.py``: its ``Scheduler``, ``KVCacheManager``, block hasher
 and ``AuxOutputSchedulerConnector``; a simulated runner with EAGLE-style 4-token drafts and
 random rejections): requests share system prefixes, prefill in chunks, finish and are
 replaced. The trace (metadata, batches, snapshots, acceptance counts, in vLLM's async call
@@ -11,8 +13,9 @@ order) is then replayed through fresh instances of both connectors in the same p
 interleaved (``--rounds``), and all four hooks (``begin_step``, ``prepare_output``,
 ``enqueue_cpu_copy``, ``process_output``) are timed per step, in thread CPU time (the
 figure compared) and wall time. Rows are (48, 8) uint8 (Qwen3-30B-A3B), block 16. The timed
-traces have lookahead block hashing off, because vLLM's own connector crashes on a trace
-with it on (shown first, with our rows checked against the rows the trace captured).
+traces have lookahead block hashing off, because vLLM 0.33's own connector crashes on a trace
+with it on (shown first, with our rows checked against the rows the trace captured; 0.34's
+serves that trace).
 
 On this CPU machine our connector's scatter/gather run as torch CPU ops inside
 ``process_output``; on a GPU they are asynchronous kernel launches. The table therefore
@@ -38,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, save_csv  # noqa: E402
-from cpu_harness.vllm033 import (  # noqa: E402
+from cpu_harness.vllm_scheduler import (  # noqa: E402
+    VLLM_VERSION,
     SimEngine,
     SnapshotCapturer,
     build_our_connector,
@@ -47,11 +51,12 @@ from cpu_harness.vllm033 import (  # noqa: E402
     make_scheduler,
     random_prompt,
 )
-from routed_experts_cache.connector.vllm_worker import unpack_hashes  # noqa: E402
+from routed_experts_cache.connector.vllm.worker import unpack_hashes  # noqa: E402
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput  # noqa: E402
 
 ROW_SHAPE = (48, 8)
 BLOCK = 16
+BUILTIN = f"vllm-{VLLM_VERSION}-builtin"
 NUM_SPEC = 4
 LOOKAHEAD_TRACE_STEPS = 120  # long enough for a full block to wait for its lookahead hash at a read
 
@@ -274,7 +279,7 @@ def same_outputs(a: list[dict], b: list[dict]) -> bool:
 def builders():
     return {
         "routed-experts-cache": lambda setup, capturer: build_our_connector(setup, capturer),
-        "vllm-0.33-builtin": build_vllm_connector,
+        BUILTIN: build_vllm_connector,
     }
 
 
@@ -334,9 +339,9 @@ def main() -> None:
         print(json.dumps(measure_rss(args.rss[0], int(args.rss[1]), args.steps, args.output_tokens)))
         return
 
-    # With EAGLE/MTP lookahead hashing on (vLLM 0.33's default), vLLM's own connector cannot
-    # replay such a trace at all (design/vllm-aux-output.md section 4): show it, then compare
-    # speed on traces with lookahead hashing off, which both connectors can run.
+    # With EAGLE/MTP lookahead hashing on (the default since 0.33), vLLM 0.33's own connector
+    # cannot replay such a trace at all (design/vllm-aux-output.md section 4; 0.34 fixed it):
+    # show it, then compare speed on traces with lookahead hashing off, which every release runs.
     setup, events, trace = record_trace(16, LOOKAHEAD_TRACE_STEPS, lookahead=1)
     for impl, build in builders().items():
         try:
@@ -361,7 +366,7 @@ def main() -> None:
             for impl, build in timed_builders.items():
                 results[impl] = replay(setup, events, build)
                 timings[impl] += results[impl]["per_step"]
-        ours, theirs = results["routed-experts-cache"]["outputs"], results["vllm-0.33-builtin"]["outputs"]
+        ours, theirs = results["routed-experts-cache"]["outputs"], results[BUILTIN]["outputs"]
         if not same_outputs(ours, theirs) or not same_outputs(ours, trace["outputs"]):
             raise SystemExit(f"outputs differ between the two connectors at concurrency {concurrency}")
         for impl in timed_builders:  # the floor is no connector: its memory is not measured
@@ -385,7 +390,8 @@ def main() -> None:
               f"wall {ours['wall_ratio_to_vllm']:.3f}; the output contract alone: {floor['cpu_ratio_to_vllm']:.3f}", flush=True)
     print()
     print_table(rows, list(rows[0]))
-    name = "host_overhead.csv" if args.output_tokens == [24, 96] else "host_overhead_out{}-{}.csv".format(*args.output_tokens)
+    trace = "" if args.output_tokens == [24, 96] else "_out{}-{}".format(*args.output_tokens)
+    name = f"host_overhead_vllm{VLLM_VERSION}{trace}.csv"  # one file per vLLM release and trace
     csv_path = save_csv(rows, name, torch.device("cpu"))
     plot(rows, csv_path.with_suffix(".png"))
     print(f"wrote {csv_path.with_suffix('.png')}")

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import print_table, save_csv  # noqa: E402
-from routed_experts_cache.connector.vllm_worker import working_set_pages  # noqa: E402
+from routed_experts_cache.connector.vllm.worker import working_set_pages  # noqa: E402
 
 # (layers captured, top_k, number of experts): vLLM captures every hidden layer's row.
 MODELS = {

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from routed_experts_cache import RoutedExpertsCache, RoutedExpertsCacheError  # noqa: E402
-from routed_experts_cache.connector.side_stream import SideStream  # noqa: E402
+from routed_experts_cache.connector.vllm.side_stream import SideStream  # noqa: E402
 
 
 def differential_workload(device, steps: int = 3000) -> int:

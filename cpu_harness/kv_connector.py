@@ -45,12 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from cpu_harness.vllm033 import HarnessError
+from cpu_harness.vllm_scheduler import HarnessError
 
 CONNECTOR_NAME = "StubKVConnector"
 MODULE_PATH = "cpu_harness.kv_connector"
 LOAD_MODES = ("sync", "async", "alternate")
-_OPTIONS = {"load_mode", "async_load_steps", "store_blocks", "min_hit_blocks"}
+_OPTIONS = {"load_mode", "async_load_steps", "store_blocks", "min_hit_blocks", "keeps_lookahead_hashes"}
 
 
 class StubConnectorError(HarnessError):
@@ -58,10 +58,16 @@ class StubConnectorError(HarnessError):
 
 
 def kv_transfer_config(*, load_mode: str = "alternate", async_load_steps: int = 1, store_blocks: int | None = None,
-                       min_hit_blocks: int = 1, kv_load_failure_policy: str = "recompute") -> KVTransferConfig:
-    """The ``KVTransferConfig`` that makes vLLM load ``StubKVConnector`` from this module."""
+                       min_hit_blocks: int = 1, kv_load_failure_policy: str = "recompute",
+                       keeps_lookahead_hashes: bool = False) -> KVTransferConfig:
+    """The ``KVTransferConfig`` that makes vLLM load ``StubKVConnector`` from this module.
+
+    ``keeps_lookahead_hashes``: the connector opts in to lookahead block hashing (vLLM 0.34's
+    ``supports_lookahead_block_hashes``, as its Mooncake and CPU-offload connectors do); vLLM
+    0.33 has no such opt-in and turns lookahead off with any KV connector.
+    """
     extra = {"load_mode": load_mode, "async_load_steps": async_load_steps, "store_blocks": store_blocks,
-             "min_hit_blocks": min_hit_blocks}
+             "min_hit_blocks": min_hit_blocks, "keeps_lookahead_hashes": keeps_lookahead_hashes}
     _check_options(extra)
     return KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_connector_module_path=MODULE_PATH, kv_role="kv_both",
@@ -73,7 +79,10 @@ def _check_options(extra: dict[str, Any]) -> dict[str, Any]:
     unknown = set(extra) - _OPTIONS
     if unknown:
         raise StubConnectorError(f"unknown stub connector options {sorted(unknown)}")
-    options = {"load_mode": "alternate", "async_load_steps": 1, "store_blocks": None, "min_hit_blocks": 1, **extra}
+    options = {"load_mode": "alternate", "async_load_steps": 1, "store_blocks": None, "min_hit_blocks": 1,
+               "keeps_lookahead_hashes": False, **extra}
+    if type(options["keeps_lookahead_hashes"]) is not bool:
+        raise StubConnectorError(f"keeps_lookahead_hashes must be a bool, got {options['keeps_lookahead_hashes']!r}")
     if options["load_mode"] not in LOAD_MODES:
         raise StubConnectorError(f"load_mode must be one of {LOAD_MODES}, got {options['load_mode']!r}")
     for name in ("async_load_steps", "min_hit_blocks"):
@@ -127,6 +136,11 @@ class StubKVMetadata(KVConnectorMetadata):
 
 class StubKVConnector(KVConnectorBase_V1):
     """Both roles of the stub connector (vLLM builds one instance per role)."""
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config) -> bool:
+        """vLLM 0.34 asks this before it keeps lookahead hashing with a KV connector."""
+        return bool(_check_options(dict(kv_transfer_config.kv_connector_extra_config))["keeps_lookahead_hashes"])
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

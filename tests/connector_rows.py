@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-import cpu_harness.vllm033  # noqa: F401  (first: fails with a clear message outside vLLM 0.33)
+import cpu_harness.vllm_scheduler  # noqa: F401  (first: fails with a clear message outside vLLM 0.33 and 0.34)
 import numpy as np
 import torch
 from vllm.distributed.aux_output_connector.connector import PackedBlockHashes

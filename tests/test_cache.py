@@ -999,6 +999,24 @@ def test_narrow_and_unsigned_rows_that_fit_are_accepted_and_those_that_do_not_ar
     assert cache.stats()["captured_rows"] == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_with_what_to_do():
+    with pytest.raises(RoutedExpertsCacheError, match=r"device='cuda' but CUDA is not available.*use device='cpu'"):
+        RoutedExpertsCache(4, 16, (2, 2), device="cuda")
+
+
+def test_an_out_of_range_id_is_named_by_its_position_not_the_whole_row(make_cache):
+    cache = make_cache(2, page_size=4, row_shape=(48, 8))
+    rows = torch.zeros((3, 48, 8), dtype=torch.int32)
+    rows[2, 5, 3], rows[2, 40, 0] = 300, -1
+    with pytest.raises(InvalidCaptureError) as refused:
+        cache.capture("r", 0, rows)
+    message = str(refused.value)
+    assert "'r': row at position 2" in message and "first at index (5, 3)" in message
+    assert "id 300; 2 bad ids in the row" in message and len(message) < 300
+    assert cache.stats()["captured_rows"] == 0
+
+
 def test_malformed_arguments_raise_typed_errors(make_cache):
     cache = make_cache(2, page_size=4, row_shape=(2, 2))
     out_of_range = torch.full((1, 2, 2), 300)

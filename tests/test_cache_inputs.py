@@ -179,9 +179,11 @@ def check_one_capture(backend, data):
 
 # ------------------------------------------------------------- wrong Python values
 
+MAX_POSITION = RoutedExpertsCache(1, PAGE, ROW).max_position  # the default bound on positions
+HUGE_POSITIONS = (MAX_POSITION + 1, 2**40, 2**62, 2**63 - 1, 2**63, 2**64, -(2**63))
 BAD_VALUES = (
     None, 1.5, True, False, -1, "x", b"x", b"", [1], ("a", 1), {}, np.int64(3), torch.tensor(3), object(),
-    torch.zeros((2, *ROW), dtype=torch.int64),
+    torch.zeros((2, *ROW), dtype=torch.int64), *HUGE_POSITIONS, np.int64(2**62), torch.tensor(2**40),
 )
 
 
@@ -190,7 +192,7 @@ def valid(kind: str, value) -> bool:
     if kind == "id":
         return type(value) in (str, int)
     if kind == "position":
-        return type(value) is int and value >= 0
+        return type(value) is int and 0 <= value <= MAX_POSITION
     if kind == "rows":
         return isinstance(value, torch.Tensor) and value.dim() == 3
     if kind == "hash":
@@ -199,7 +201,7 @@ def valid(kind: str, value) -> bool:
         is_integer = isinstance(value, (int, np.integer)) or (
             isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()
         )
-        return is_integer and type(value) is not bool and int(value) >= 0
+        return is_integer and type(value) is not bool and 0 <= int(value) <= MAX_POSITION
     if kind == "sequence":  # an empty collection is a valid "nothing to do"
         return isinstance(value, (list, tuple, dict)) and not value
     return False
@@ -267,4 +269,65 @@ def test_a_wrong_value_in_any_argument_is_refused_without_change(backend, call_n
     with pytest.raises(error):
         call(cache, arguments)
     assert_unchanged(before, observe(cache))
+    cache.check_consistency()
+
+
+POSITION_CALLS = {  # every call that takes a position, with one bad position in each place
+    "capture": lambda c, p: c.capture("n", p, ROWS2),
+    "capture continuing": lambda c, p: c.capture("b", p, ROWS2),
+    "capture_many": lambda c, p: c.capture_many([("n", 0, ROWS2), ("m", p, ROWS2)]),
+    "capture_from": lambda c, p: c.capture_from(ROWS2, [("n", p, 0, 2)]),
+    "capture_batch start": lambda c, p: c.capture_batch(ROWS2, ["b", "n"], [3, p], [0, 0], [1, 1]),
+    "capture_batch continuing": lambda c, p: c.capture_batch(ROWS2, ["a", "b"], [6, p], [0, 1], [1, 1]),
+    "read end": lambda c, p: c.read("a", 0, p),
+    "read start": lambda c, p: c.read("a", p, p + 1),
+    "read_packed": lambda c, p: c.read_packed([("b", 0, 3), ("a", 4, p)]),
+    "read_batch": lambda c, p: c.read_batch(["b", "a"], [0, 0], [3, p]),
+    "rewind": lambda c, p: c.rewind("a", p),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("call_name", sorted(POSITION_CALLS))
+@pytest.mark.parametrize("past", [1, 4, 2**20, 2**40, 2**62], ids=lambda p: f"limit+{p}")
+def test_positions_past_the_limit_are_refused_in_every_call_without_change(backend, call_name, past):
+    """A position past ``max_position`` (here 64, and the default) is refused by every call
+    that takes one, with a typed error and nothing changed (no request registered, no page
+    taken, no counter moved), before any arithmetic on it can overflow or allocate."""
+    cache = RoutedExpertsCache(6, PAGE, ROW, device=TEST_DEVICE, backend=backend, max_position=64)
+    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
+    cache.add_block_hashes("a", [b"a0"])
+    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    before = observe(cache)
+    with pytest.raises(RoutedExpertsCacheError, match="max_position 64"):
+        POSITION_CALLS[call_name](cache, 64 + past)
+    assert_unchanged(before, observe(cache))
+    cache.check_consistency()
+
+
+@pytest.mark.parametrize("start", [2**31, 2**40, 2**62, 2**63 - 4, 2**63, 2**64])
+def test_a_first_capture_far_out_is_refused_untouched_with_the_default_limit(start):
+    """The reported bug: a first capture at 2**40 took a page, registered the request and
+    moved prefix_hit_rows before failing with numpy's MemoryError; 2**63 left an empty request."""
+    cache = RoutedExpertsCache(8, 16, (2,), torch.int32, backend="torch")
+    fresh = cache.stats(), cache.page_states()
+    with pytest.raises(InvalidCaptureError, match=r"'r'.*max_position 2147483648"):
+        cache.capture("r", start, torch.ones(3, 2, dtype=torch.int32))
+    assert (cache.stats(), cache.page_states()) == fresh and cache.stats()["free"] == 8
+    with pytest.raises(RangeUnavailableError):
+        cache.read("r", 0, 1)  # no request was left behind
+
+
+def test_the_block_table_grows_with_what_requests_hold_not_how_far_out_they_start():
+    cache = RoutedExpertsCache(8, 16, (2,), torch.int32, backend="torch")
+    far = 2**31 - 64  # just inside the default limit
+    cache.capture("far", far, torch.arange(96).reshape(48, 2).to(torch.int32))
+    cache.capture("near", 0, torch.ones(20, 2, dtype=torch.int32))
+    assert cache._slots.table.shape[1] <= 16  # was 2**27 columns (a row per slot), GiBs
+    assert torch.equal(cache.read("far", far, far + 48), torch.arange(96).reshape(48, 2).to(torch.int32))
+    assert cache.read_batch(["far", "near"], [far + 40, 0], [far + 48, 20])[1].tolist() == [0, 8, 28]
+    cache.capture_batch(torch.ones(16, 2, dtype=torch.int32), ["far"], [far + 48], [0], [16])
+    assert torch.equal(cache.read("far", far + 56, far + 64), torch.ones(8, 2, dtype=torch.int32))
+    with pytest.raises(InvalidCaptureError, match="max_position"):
+        cache.capture("far", far + 64, torch.ones(1, 2, dtype=torch.int32))
     cache.check_consistency()

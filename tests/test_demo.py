@@ -30,11 +30,20 @@ def test_demo_reports_exact_rows_equal_to_the_builtin_path_quietly_and_cleans_up
 
 
 def test_demo_says_why_it_failed(tmp_path):
-    done, left = _demo(tmp_path, ROUTED_EXPERTS_CACHE="0")
-    assert done.returncode == 1
+    workdir = tmp_path / "new" / "workdir"  # not there yet: the demo makes it (and keeps it)
+    done, left = _demo(tmp_path, "--workdir", str(workdir), ROUTED_EXPERTS_CACHE="0")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "vLLM used AuxOutputWorkerConnector, not this cache" in done.stdout
+    assert (workdir / "tiny-moe" / "config.json").exists() and (workdir / "vllm.log").exists()
     assert left == []
     done, left = _demo(tmp_path, ROUTED_EXPERTS_CACHE="maybe")
     assert done.returncode == 1
     assert "FAILED: RoutedExpertsCacheError: ROUTED_EXPERTS_CACHE='maybe' is not understood" in done.stdout
     assert left == []
+
+
+def test_demo_refuses_counts_below_one_before_starting_anything(tmp_path):
+    for flag in ("--turns", "--conversations", "--max-tokens"):
+        done = subprocess.run([sys.executable, "examples/multiturn_demo.py", flag, "0"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and f"argument {flag}: must be at least 1, got 0" in done.stderr

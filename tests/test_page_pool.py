@@ -6,7 +6,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routed_experts_cache.page_pool import PagePool
+from routed_experts_cache.connector.page_pool import PagePool
 
 
 def published_pool(num_pages: int, hashes: list[bytes]) -> PagePool:

@@ -9,7 +9,7 @@ import pytest
 import vllm
 
 from routed_experts_cache import RoutedExpertsCacheError
-from routed_experts_cache.connector import vllm_plugin, vllm_worker
+from routed_experts_cache.connector.vllm import plugin as vllm_plugin, worker as vllm_worker
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
 RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -27,7 +27,7 @@ def vllm_modules(monkeypatch):
 
 def test_entry_point_is_installed():
     names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "routed_experts_cache.connector.vllm_plugin:register" in names
+    assert "routed_experts_cache.connector.vllm.plugin:register" in names
 
 
 def test_supported_version_replaces_the_worker_factory(vllm_modules, monkeypatch):
@@ -65,7 +65,7 @@ def test_other_switch_values_stop_the_start_and_name_the_accepted_ones(vllm_modu
     assert worker.get_aux_output_connector is original
 
 
-@pytest.mark.parametrize("version", ["0.31.0", "0.34.0", "1.0.0", "0.3.2"])
+@pytest.mark.parametrize("version", ["0.31.0", "0.35.0", "1.0.0", "0.3.2"])
 def test_unsupported_version_is_refused_with_a_warning(vllm_modules, monkeypatch, caplog, version):
     worker, runner, original = vllm_modules
     monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
@@ -95,15 +95,20 @@ def test_state_line_shows_before_vllm_configures_logging(vllm_modules, monkeypat
         monkeypatch.setenv("ROUTED_EXPERTS_CACHE", "off")
     else:
         monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
-        monkeypatch.setattr(vllm, "__version__", "0.34.0")
+        monkeypatch.setattr(vllm, "__version__", "0.35.0")
     assert vllm_plugin.register() is False
     err = capsys.readouterr().err
     expected = "INFO" if case == "off" else "WARNING"
     line = next(line for line in err.splitlines() if "routed-experts-cache:" in line)
-    assert line.startswith(expected) and ("off (ROUTED_EXPERTS_CACHE=off)" in line or "0.34.0 is not supported" in line)
+    assert line.startswith(expected) and (
+        "off (ROUTED_EXPERTS_CACHE=off)" in line or "0.35.0 is not supported (supported: 0.32.x, 0.33.x, 0.34.x)" in line
+    )
 
 
-@pytest.mark.parametrize(("version", "supported"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.330.0", False), ("0.31.9", False)])
+@pytest.mark.parametrize(("version", "supported"), [
+    ("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.34.0", True), ("0.34.1rc1", True),
+    ("0.330.0", False), ("0.31.9", False), ("0.35.0", False), ("1.0.0", False),
+])
 def test_version_gate(version, supported):
     assert vllm_plugin.is_supported(version) is supported
 
@@ -123,3 +128,28 @@ def test_unpack_hashes_gives_what_vllms_packed_hashes_yield(item_size):
     assert vllm_worker.unpack_hashes(packed) == list(packed) and len(list(packed)) == 7
     assert vllm_worker.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size)) == []
     assert vllm_worker.unpack_hashes([b"a", b"bc"]) == [b"a", b"bc"]  # any other iterable: as a list
+
+
+def test_version_table_names_every_supported_release_once():
+    from dataclasses import fields
+
+    from routed_experts_cache.connector.vllm import versions as vllm_versions
+
+    assert list(vllm_versions.CONTRACTS) == ["0.32", "0.33", "0.34"]
+    assert vllm_versions.supported_series() == "0.32.x, 0.33.x, 0.34.x"
+    for series, contract in vllm_versions.CONTRACTS.items():
+        assert contract.series == series
+        assert all(type(getattr(contract, f.name)) is bool for f in fields(contract) if f.name != "series")
+    assert vllm_versions.series_of("0.34.1rc1+cu130") == "0.34"
+    assert vllm_versions.contract_for("0.34.0").two_step_storage is True
+    assert vllm_versions.contract_for("0.33.0").two_step_storage is False
+    assert vllm_versions.contract_for("0.35.0") is None
+
+
+def test_installed_contract_is_the_running_vllms(monkeypatch):
+    from routed_experts_cache.connector.vllm import versions as vllm_versions
+
+    assert vllm_versions.installed_contract().series == vllm_versions.series_of(vllm.__version__)
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(RoutedExpertsCacheError, match=r"vLLM 0.35.0 is not supported \(supported: 0.32.x, 0.33.x, 0.34.x\)"):
+        vllm_versions.installed_contract()

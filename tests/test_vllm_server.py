@@ -155,3 +155,51 @@ def test_a_server_refused_at_start_says_why_and_leaves_no_process(model_dirs, tm
             pass
     assert "exited with code" in str(failure.value)
     assert processes_in_group(failure.value.process_group) == []
+
+
+def test_the_readme_cpu_server_quick_start_serves_rows_and_stops_cleanly(tmp_path):
+    """``bash scripts/serve.sh --port P`` as the README's quick start runs it (the environment
+    is already built), queried with the README's client lines; SIGTERM stops every process."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(tmp_path / "serve.log", "wb")
+    env = dict(os.environ, PYTHONPATH="")  # as a user's shell: nothing of the test's set-up
+    server = subprocess.Popen(["bash", "scripts/serve.sh", "--port", str(port)], cwd=root, stdout=log,
+                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        response = client.completions.create(
+            model="tiny-moe", prompt="w5 w6 w7 w8 w9 w10", max_tokens=8,
+            extra_body={"return_token_ids": True, "routed_experts_prompt_start": 0},
+        )
+        choice = response.choices[0]
+        rows = decode_rows(choice.routed_experts)
+        assert rows.shape == (len(choice.prompt_token_ids) + len(choice.token_ids) - 1, 2, 2)
+        assert b"routed-experts-cache: active" in (tmp_path / "serve.log").read_bytes()
+    finally:
+        os.kill(server.pid, signal.SIGTERM)  # what the script's wrapper gets from a supervisor
+        server.wait(timeout=120)
+        log.close()
+    deadline = time.monotonic() + 60
+    while processes_in_group(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_in_group(server.pid) == [], sys.stderr

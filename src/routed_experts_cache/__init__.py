@@ -4,7 +4,7 @@
 connector lives in ``routed_experts_cache.connector`` and imports vLLM itself.
 """
 
-from .cache import RoutedExpertsCache
+from .connector.cache import RoutedExpertsCache
 from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 
 __version__ = "0.2.0"

@@ -1,24 +1,27 @@
-"""vLLM 0.33 lookahead block hashes: the real scheduler side against this project's connector.
+"""Lookahead block hashes (vLLM 0.33, 0.34): the real scheduler side against this project's connector.
 
-Runs only in the vLLM 0.33 environment (``.venv-vllm033``); it fails at import anywhere
-else. vLLM 0.33 cannot generate on these CPU machines, but its scheduler side imports, so
+Runs in the vLLM 0.33 and 0.34 environments (``.venv-vllm033``, ``.venv-vllm034``); it fails at
+import anywhere else. Neither release generates on these CPU machines, but their scheduler sides import, so
 the tests drive the real ``Scheduler`` / ``AsyncScheduler`` (with its ``KVCacheManager``,
 ``BlockPool``, ``Request`` block hasher with 1 or 2 lookahead tokens and the
 ``AuxOutputSchedulerConnector`` it builds) against ``CacheWorkerConnector``, with a
 simulated Model Runner V2 and synthetic routing rows that are a pure function of the token
-prefix (see ``cpu_harness/vllm033.py``). Every row the connector returns, and every request's rows
+prefix (see ``cpu_harness/vllm_scheduler.py``). Every row the connector returns, and every request's rows
 as the client assembles them from ``take_output``'s chunks, must equal that function.
 
-Section 4 of design/vllm-aux-output.md: vLLM 0.33's own worker connector
-(``AuxOutputWorkerConnector``, built as its unit tests build it) fails cases A and B with an
-``AssertionError`` from ``RoutedExpertsBuffer.read``; ours returns exact rows.
+Our connector is built by the plugin's factory the way the installed vLLM builds it (0.34:
+its real ``profile_run``, then ``initialize_output_storage``). Section 4 of
+design/vllm-aux-output.md: vLLM 0.33's own worker connector (``AuxOutputWorkerConnector``,
+built as its unit tests build it) fails cases A and B with an ``AssertionError`` from
+``RoutedExpertsBuffer.read``; 0.34's passes them (the fix upstream); ours returns exact rows on both.
 """
 
 import numpy as np
 import pytest
 
-from cpu_harness.vllm033 import (  # first: fails with a clear message outside vLLM 0.33
+from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
     BLOCK_SIZE,
+    CONTRACT,
     HarnessError,
     RetainedPins,
     SimEngine,
@@ -29,7 +32,7 @@ from cpu_harness.vllm033 import (  # first: fails with a clear message outside v
     make_scheduler,
     random_prompt,
 )
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector
+from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector
 
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 LOOKAHEAD = pytest.mark.parametrize("lookahead", [1, 2], ids=["L1", "L2"])
@@ -44,11 +47,10 @@ def engines():
     made = []
 
     def make(setup, which="ours", seed=0, accept=None, **connector_kw):
-        capturer = SnapshotCapturer()
-        if which == "ours":
-            connector = build_our_connector(setup, capturer, **connector_kw)
+        if which == "ours":  # built by the plugin's factory, as the installed vLLM builds it
+            connector = build_our_connector(setup, **connector_kw)
         else:
-            connector = build_vllm_connector(setup, capturer)
+            connector = build_vllm_connector(setup, SnapshotCapturer())
         engine = SimEngine(setup, connector, seed=seed, accept=accept)
         made.append(engine)
         return engine
@@ -137,13 +139,20 @@ def test_crash_case_exact_rows_with_our_connector(engines, case, async_schedulin
 
 @ASYNC
 @pytest.mark.parametrize("case", list(CASES))
-def test_crash_case_fails_vllm_own_worker_connector(engines, case, async_scheduling):
+def test_crash_case_on_vllm_own_worker_connector(engines, case, async_scheduling):
+    """vLLM 0.33's own connector fails the section 4 cases; 0.34's reads pending blocks
+    (``RoutedExpertsBuffer.read`` takes them) and returns exact rows."""
     build, prefill_spans, error = CASES[case]
     engine = build(engines, "vllm", async_scheduling)
-    with pytest.raises(AssertionError, match=error):
+    if CONTRACT.builtin_reads_pending_blocks:
         engine.flush()
+        assert engine.stats.outputs["r"][0] == (0, prefill_spans[-1][1])
+        assert engine.check_all_finished() == len(engine.requests)
+    else:
+        with pytest.raises(AssertionError, match=error):
+            engine.flush()
+        assert "r" not in engine.stats.outputs  # it never returned a row for "r"
     assert engine.stats.spans["r"][: len(prefill_spans)] == prefill_spans
-    assert "r" not in engine.stats.outputs  # it never returned a row for "r"
 
 
 @ASYNC
@@ -366,3 +375,35 @@ def test_randomized_workloads(engines, seed):
     engine.flush()
     assert engine.check_all_finished() > 0
     assert engine.stats.rows_checked > 0 and pins.seen["checks"] > 0
+
+
+@pytest.mark.skipif(not CONTRACT.kv_connectors_may_keep_lookahead,
+                    reason=f"vLLM {CONTRACT.series} turns lookahead hashing off with any KV connector")
+@ASYNC
+@pytest.mark.parametrize("which", ["ours", "vllm"])
+def test_kv_connector_that_keeps_lookahead_hashing(engines, which, async_scheduling):
+    """vLLM 0.34: a KV connector may keep lookahead hashing (``supports_lookahead_block_hashes``,
+    as Mooncake and the CPU-offload connectors do), a combination 0.33 never built. External
+    hits of prompts whose last full block waits for its
+    lookahead hash: every row exact, for ours and for 0.34's own connector."""
+    setup = make_scheduler(
+        lookahead=1, num_spec_tokens=2, async_scheduling=async_scheduling, num_blocks=24, max_num_seqs=2,
+        max_num_batched_tokens=32, max_model_len=96,
+        kv_connector={"load_mode": "alternate", "keeps_lookahead_hashes": True},
+    )
+    engine = engines(setup, which, seed=3)
+    rng = _rng(21)
+    donors = [random_prompt(rng, 40), random_prompt(rng, 36)]
+    for k, donor in enumerate(donors):
+        engine.add(make_request(setup, f"a{k}", donor, 4))
+    engine.run_until_finished("a0", "a1")
+    for request_id in ("f0", "f1"):  # evict the donors' KV; their rows stay retained
+        engine.add(make_request(setup, request_id, random_prompt(rng, 60), 4))
+        engine.run_until_finished(request_id)
+    for k, donor in enumerate(donors):
+        engine.add(make_request(setup, f"s{k}", donor + random_prompt(rng, 9), 6))
+    engine.flush()
+    kv = setup.scheduler.connector.stats
+    assert kv["sync_loads"] + kv["async_loads"] >= 1 and kv["loaded_tokens"] >= 32  # external hits happened
+    assert engine.stats.drafts_rejected > 0
+    assert engine.check_all_finished() == len(engine.requests)

@@ -1,8 +1,9 @@
 """``vllm.general_plugins`` entry point: serve routed experts from the device cache.
 
-vLLM loads this in every process. On supported versions it swaps the worker-side factory
-``get_aux_output_connector`` (which Model Runner V2 imports by name) for ours; vLLM's
-scheduler-side connector stays. ``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path.
+vLLM loads this in every process. On supported versions (``vllm_versions.CONTRACTS``) it swaps
+the worker-side factory ``get_aux_output_connector`` (which Model Runner V2 imports by name)
+for ours, which takes every supported release's call shape; vLLM's scheduler-side connector
+stays. ``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path.
 """
 
 import logging
@@ -10,9 +11,9 @@ import os
 import sys
 import time
 
-from ..errors import RoutedExpertsCacheError
+from ...errors import RoutedExpertsCacheError
+from .versions import contract_for, supported_series
 
-SUPPORTED_VERSIONS = ("0.32.", "0.33.")
 ENV_SWITCH = "ROUTED_EXPERTS_CACHE"
 _WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 _RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -32,11 +33,11 @@ def _log_state(level: int, message: str, *args) -> None:
         logger.log(level, message, *args)
     else:
         stamp = time.strftime("%m-%d %H:%M:%S")
-        print(f"{logging.getLevelName(level)} {stamp} [vllm_plugin.py] {message % args}", file=sys.stderr, flush=True)
+        print(f"{logging.getLevelName(level)} {stamp} [plugin.py] {message % args}", file=sys.stderr, flush=True)
 
 
 def is_supported(version: str) -> bool:
-    return version.startswith(SUPPORTED_VERSIONS)
+    return contract_for(version) is not None
 
 
 def switched_on() -> bool:
@@ -66,14 +67,14 @@ def register() -> bool:
 
     if not is_supported(vllm.__version__):
         _log_state(
-            logging.WARNING, "routed-experts-cache: vLLM %s is not supported (supported: 0.32.x, 0.33.x); "
+            logging.WARNING, "routed-experts-cache: vLLM %s is not supported (supported: %s); "
             "vLLM is left untouched and its built-in routed-experts path runs",
-            vllm.__version__,
+            vllm.__version__, supported_series(),
         )
         return False
     import importlib
 
-    from . import vllm_worker
+    from . import worker as vllm_worker
 
     importlib.import_module(_WORKER_MODULE).get_aux_output_connector = vllm_worker.get_aux_output_connector
     runner = sys.modules.get(_RUNNER_MODULE)

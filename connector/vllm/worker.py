@@ -1,9 +1,10 @@
 """vLLM worker-side AuxOutput connector backed by the device-resident cache.
 
 Drop-in for ``vllm.distributed.aux_output_connector.worker.AuxOutputWorkerConnector``
-(vLLM 0.32 and 0.33): the same hooks (``begin_step``, ``prepare_output`` ->
-``enqueue_cpu_copy`` / ``process_output``, ``close``) and the same output contract
-(``{request_id: AuxRequestOutput(token_start, rows)}``, rows an owned numpy array).
+(vLLM 0.32, 0.33 and 0.34): the same hooks (``initialize_output_storage`` on 0.34,
+``begin_step``, ``prepare_output`` -> ``enqueue_cpu_copy`` / ``process_output``, ``close``) and
+the same output contract (``{request_id: AuxRequestOutput(token_start, rows)}``, rows an owned
+numpy array). What differs between those releases is in ``versions``.
 
 Per output step: the step's snapshot stays on the device; its accepted rows enter the pool
 with one scatter; every emitted interval (this step's rows, or earlier rows after a prefix
@@ -36,8 +37,9 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from ..cache import RoutedExpertsCache
 from ..checks import checked_hash_lists
-from ..errors import RoutedExpertsCacheError
+from ...errors import RoutedExpertsCacheError
 from .side_stream import SideStream
+from .versions import installed_contract
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,13 +110,20 @@ class CacheWorkerConnector:
 
     def __init__(
         self, *, capturer, cache: RoutedExpertsCache | None, max_concurrent_batches: int,
-        stats_log_interval: float = 0.0,
+        stats_log_interval: float = 0.0, vllm_config: VllmConfig | None = None,
     ) -> None:
         """``capturer`` provides ``snapshot_routing_data(num_tokens)`` (vLLM's capturer);
         ``cache`` is None on ranks that keep no data (all but the first TP rank);
-        ``stats_log_interval``: seconds between stats log lines (0: none)."""
+        ``stats_log_interval``: seconds between stats log lines (0: none).
+
+        With ``vllm_config`` (and ``cache=None``) the storage comes later, from
+        ``initialize_output_storage`` (vLLM 0.34's second set-up step); until then the
+        connector accepts no step that carries routed-experts metadata.
+        """
         self._capturer = capturer
         self._cache = cache
+        self._vllm_config = vllm_config
+        self._storage_ready = vllm_config is None
         self._generation = 0
         self._step_metadata: AuxOutputConnectorMetadata | None = None
         self._pending_outputs: list[PendingCacheOutput] = []
@@ -159,6 +168,25 @@ class CacheWorkerConnector:
     def cache(self) -> RoutedExpertsCache | None:
         return self._cache
 
+    def initialize_output_storage(self, kv_cache_config: KVCacheConfig) -> None:
+        """vLLM 0.34's second set-up step: create the pool, now that the KV layout is known.
+
+        Only the first tensor-parallel rank keeps a pool (as in vLLM); a second call is refused.
+        """
+        with self._lock:
+            if self._storage_ready:
+                pool = "no pool" if self._cache is None else f"a pool of {self._cache.num_pages} pages"
+                raise ConnectorStateError(
+                    f"initialize_output_storage called again: this worker connector's output storage is "
+                    f"already initialised ({pool}); vLLM initialises it once per worker"
+                )
+            if self._vllm_config is None:
+                raise ConnectorStateError("initialize_output_storage needs the connector built with its vllm_config")
+            self._cache = pool_for_this_rank(self._vllm_config, kv_cache_config, self._capturer)
+            if self._cache is not None and self._cache.device.type == "cuda":
+                self._side_stream = SideStream(self._cache.device)
+            self._storage_ready = True
+
     def stats(self) -> dict[str, int]:
         """The cache's page counts and counters, plus the requests re-attached after rejected
         drafts (async scheduling) and rolled back after failed KV loads."""
@@ -176,6 +204,11 @@ class CacheWorkerConnector:
 
         The whole metadata is checked first: a refused step changes nothing.
         """
+        if not self._storage_ready and metadata is not None:
+            raise ConnectorStateError(
+                f"a scheduler step with routed-experts metadata ({len(metadata.requests)} requests) arrived "
+                f"before initialize_output_storage: the connector has no storage yet"
+            )
         if self._cache is None or metadata is None:
             self._step_metadata = metadata
             return
@@ -405,16 +438,13 @@ class CacheWorkerConnector:
             self._cache = None
 
 
-# vLLM 0.33's scheduler connector sends retained / released block hashes (pins).
-_SCHEDULER_RETAINS_PINS = "retained_block_hashes" in getattr(AuxOutputConnectorMetadata, "__dataclass_fields__", {})
-
-
 def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capturer) -> RoutedExpertsCache:
     """The pool for this engine: every KV-cached block's rows plus the working set.
 
-    With vLLM 0.33's pins, the scheduler keeps up to its KV capacity of finished blocks
-    retained whether or not their KV is still cached, on top of the blocks live requests
-    hold: the KV-sized part is counted once for each.
+    With the scheduler's pins (vLLM 0.33, 0.34), it keeps up to its KV capacity of finished
+    blocks retained whether or not their KV is still cached, on top of the blocks live
+    requests hold: the KV-sized part is counted once for each. On vLLM 0.34 with the
+    extensible KV cache, ``num_blocks`` is the reserved capacity (at least the final size).
     ``aux_output_config.max_bytes``, when set, replaces the KV-sized part. The copy backend
     is ``ROUTED_EXPERTS_CACHE_BACKEND`` (auto / triton / torch; auto = Triton on CUDA).
     """
@@ -427,46 +457,65 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
         kv_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
         # AuxOutputSchedulerConnector._capacity: num_blocks, doubled with a KV connector.
         retained_pages = kv_pages * (2 if vllm_config.kv_transfer_config is not None else 1)
-        shared_pages = kv_pages + (retained_pages if _SCHEDULER_RETAINS_PINS else 0)
+        shared_pages = kv_pages + (retained_pages if installed_contract().scheduler_pins else 0)
     else:
         shared_pages = max_bytes // page_nbytes
     working_set = working_set_pages(
         page_size, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
         vllm_config.max_concurrent_batches,
     )
+    backend = os.environ.get(BACKEND_ENV, "auto")
+    if backend not in ("auto", "triton", "torch"):
+        raise RoutedExpertsCacheError(f"{BACKEND_ENV}={backend!r} is not understood; use auto (the default), triton or torch")
+    speculative = vllm_config.speculative_config
+    drafts = speculative.num_speculative_tokens if speculative is not None else 0
     return RoutedExpertsCache(
         shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype,
-        device=capturer.device_buffer.device, backend=os.environ.get(BACKEND_ENV, "auto"),
+        device=capturer.device_buffer.device, backend=backend,
+        max_position=vllm_config.model_config.max_model_len + drafts,  # drafts may run past the last token
     )
 
 
-def get_aux_output_connector(
-    model: torch.nn.Module, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> CacheWorkerConnector:
-    """Factory with the signature of vLLM's ``get_aux_output_connector``."""
-    capturer = RoutedExpertsCapturer(
-        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
-    )
-    bind_routed_experts_capturer(model, capturer)
-    # Every TP rank captures (the capture may all-gather); only the first keeps data.
+def pool_for_this_rank(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capturer) -> RoutedExpertsCache | None:
+    """The pool on the first tensor-parallel rank (which returns rows, as in vLLM), None on the
+    others (they capture, since the capture may all-gather, but keep nothing); logs which."""
     tp_group = get_tp_group()
-    cache = build_cache(vllm_config, kv_cache_config, capturer) if tp_group.is_first_rank else None
-    if cache is None:
+    if not tp_group.is_first_rank:
         logger.info(
             "routed-experts-cache: active on tensor-parallel rank %d of %d, without a pool; rank 0 keeps "
             "and returns the rows", tp_group.rank_in_group, tp_group.world_size,
         )
-    else:
-        logger.info(
-            "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
-            "(%.1f MiB, rows %s %s, backend %s)",
-            cache.device, cache.num_pages, cache.page_size, cache.pages.nbytes / 2**20, cache.row_shape,
-            cache.dtype, cache.backend,
-        )
-    return CacheWorkerConnector(
-        capturer=capturer, cache=cache, max_concurrent_batches=vllm_config.max_concurrent_batches,
-        stats_log_interval=log_interval(),
+        return None
+    cache = build_cache(vllm_config, kv_cache_config, capturer)
+    logger.info(
+        "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
+        "(%.1f MiB, rows %s %s, backend %s)",
+        cache.device, cache.num_pages, cache.page_size, cache.pages.nbytes / 2**20, cache.row_shape,
+        cache.dtype, cache.backend,
     )
+    return cache
+
+
+def get_aux_output_connector(
+    model: torch.nn.Module, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None
+) -> CacheWorkerConnector:
+    """Factory with both call shapes of vLLM's ``get_aux_output_connector``.
+
+    vLLM 0.32 / 0.33 call it once the KV layout is known, with ``kv_cache_config``: the pool is
+    made here. vLLM 0.34 calls it without, in ``profile_run`` (so the capturer's buffer is part
+    of its memory profile), and later ``initialize_output_storage(kv_cache_config)``.
+    """
+    capturer = RoutedExpertsCapturer(
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
+    )
+    bind_routed_experts_capturer(model, capturer)
+    connector = CacheWorkerConnector(
+        capturer=capturer, cache=None, max_concurrent_batches=vllm_config.max_concurrent_batches,
+        stats_log_interval=log_interval(), vllm_config=vllm_config,
+    )
+    if kv_cache_config is not None:
+        connector.initialize_output_storage(kv_cache_config)
+    return connector
 
 
 def log_interval() -> float:

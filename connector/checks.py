@@ -11,7 +11,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .errors import InvalidCaptureError, RoutedExpertsCacheError
+from ..errors import InvalidCaptureError, RoutedExpertsCacheError
 
 ROW_DTYPES = (
     torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64, torch.int64,
@@ -136,8 +136,11 @@ def check_row_values(source: torch.Tensor, spans, pool: torch.dtype) -> None:
         first_bad = int(torch.searchsorted(bad_rows, source_start))
         if first_bad < bad_rows.numel() and bad_rows[first_bad] < source_start + count:
             row = int(bad_rows[first_bad])
+            column = int(bad[row].nonzero()[0])  # the first bad id of the row, not all of them
+            index = tuple(int(i) for i in np.unravel_index(column, source.shape[1:]))
             raise InvalidCaptureError(
                 f"request {request_id!r}: row at position {start + row - source_start} of capture "
                 f"[{start}, {start + count}) holds ids outside the pool dtype {pool} "
-                f"[{narrow.min}, {narrow.max}]: {source[row].flatten().tolist()}"
+                f"[{narrow.min}, {narrow.max}]: first at index {index} (layer, top-k slot), id "
+                f"{source[row].flatten()[column].item()}; {int(bad[row].sum())} bad ids in the row"
             )

@@ -34,12 +34,14 @@ from .checks import (
     as_list, check_hashes, check_position, check_request_id, check_row_values, check_rows, checked_hash_lists,
     fits_dtype, index_array,
 )
-from .errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
-from .kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
+from ..errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
+from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
 from .page_pool import PagePool
 from .request_slots import RequestSlots
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
+# Positions fit int32, as in vLLM's batch arrays; far beyond any model's context length.
+DEFAULT_MAX_POSITION = 2**31
 
 
 class _Request:
@@ -75,8 +77,12 @@ class RoutedExpertsCache:
         dtype: torch.dtype = torch.uint8,
         device: str | torch.device = "cpu",
         backend: str = "auto",
+        max_position: int = DEFAULT_MAX_POSITION,
     ) -> None:
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+        """``max_position``: positions are ``[0, max_position)`` (a request's length bound; vLLM's
+        connector passes ``max_model_len``); a call naming a position past it is refused before
+        anything changes."""
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_position", max_position)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise RoutedExpertsCacheError(f"{name} must be a positive int, got {value!r}")
         row_shape = tuple(row_shape)
@@ -95,11 +101,23 @@ class RoutedExpertsCache:
                 "kernels are first imported"
             )
         self.page_size = page_size
+        self.max_position = max_position
         self.row_shape = row_shape
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        self.pages = torch.zeros((num_pages, page_size, *row_shape), dtype=dtype, device=device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RoutedExpertsCacheError(
+                f"device={str(device)!r} but CUDA is not available here (torch {torch.__version__}, "
+                f"torch.cuda.is_available() is False): use device='cpu', or a CUDA build of torch on a GPU machine"
+            )
+        try:
+            self.pages = torch.zeros((num_pages, page_size, *row_shape), dtype=dtype, device=device)
+        except (RuntimeError, AssertionError) as error:  # an unusable device, or out of memory
+            raise RoutedExpertsCacheError(
+                f"cannot allocate the pool ({num_pages} pages x {page_size} rows of {row_shape} {dtype}) on "
+                f"{device}: {error}"
+            ) from error
         self._pool_words = as_row_words(self.pages.view(num_pages * page_size, -1))
         self._copy = load_triton_copy() if backend == "triton" else copy_segments_torch
         if backend == "triton" and not interpreting():
@@ -197,7 +215,9 @@ class RoutedExpertsCache:
             for values, name in ((starts, "starts"), (source_starts, "source starts"), (counts, "counts"))
         )
         size, ends = self.page_size, starts + counts
-        valid = (starts >= 0) & (source_starts >= 0) & (counts >= 0) & (source_starts + counts <= source.shape[0])
+        # Compared so that nothing overflows int64: a sum of two huge values wraps negative.
+        valid = (starts >= 0) & (source_starts >= 0) & (counts >= 0) & (counts <= source.shape[0])
+        valid &= (source_starts <= source.shape[0] - counts) & (starts <= self.max_position - counts)
         active = counts != 0
         known = slots >= 0
         continuing = valid & active & known & (self._slots.first_block[slots] >= 0) & (starts == self._slots.cursor[slots])
@@ -326,7 +346,8 @@ class RoutedExpertsCache:
         first_new = -(-starts // size)  # the span's first block without a page yet
         is_new = block >= first_new[span]
         new_offset = (np.cumsum(num_new) - num_new)[span] + block - first_new[span]
-        old_page = table[slots[span], np.minimum(block, table.shape[1] - 1)]
+        own_block = block - self._slots.first_block[slots[span]]  # the table's column
+        old_page = table[slots[span], np.minimum(own_block, table.shape[1] - 1)]
         new_page = np.array(new_pages, dtype=np.int64)[np.where(is_new, new_offset, 0)] if new_pages else 0
         page = np.where(is_new, new_page, old_page)
         return source_starts[span] + first - starts[span], page * size + first - block * size, end - first
@@ -349,11 +370,11 @@ class RoutedExpertsCache:
         the block table, cursors (Python per new page only; blocks settle in ``_write``)."""
         slots, starts, _, counts, num_new = batch
         if pages:
-            first_new = -(-starts // self.page_size)
+            first_new = -(-starts // self.page_size) - self._slots.first_block[slots]  # as own blocks
             offsets = np.cumsum(num_new) - num_new
             page_slots = np.repeat(slots, num_new)
-            blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
-            self._slots.set_pages(page_slots, blocks, pages)
+            own_blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
+            self._slots.set_pages(page_slots, own_blocks, pages)
             for slot, page in zip(page_slots.tolist(), pages):  # in block order per request
                 self._slots.requests[slot].own_pages.append(page)
         self._slots.cursor[slots] = starts + counts
@@ -386,7 +407,7 @@ class RoutedExpertsCache:
         taken, table_slots, table_blocks = 0, [], []
         for _, request, start, _, count, num_new in plans:
             if num_new:
-                first = request.first_block + len(request.own_pages)
+                first = len(request.own_pages)  # the table's columns are the request's own blocks
                 table_slots += [request.slot] * num_new
                 table_blocks += range(first, first + num_new)
                 request.own_pages += pages[taken : taken + num_new]
@@ -430,6 +451,11 @@ class RoutedExpertsCache:
                 raise InvalidCaptureError(
                     f"request {request_id!r}: rows [{source_start}, {source_start + count}) exceed the "
                     f"{num_source_rows} source rows"
+                )
+            if start + count > self.max_position:
+                raise InvalidCaptureError(
+                    f"request {request_id!r}: capture at [{start}, {start + count}) goes past the cache's "
+                    f"max_position {self.max_position}"
                 )
             if count == 0:
                 continue
@@ -583,7 +609,7 @@ class RoutedExpertsCache:
         np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
         pick = np.flatnonzero(own)
         span, block, first, end = self._page_runs(starts[pick], ends[pick])
-        pages = self._slots.table[slots[pick][span], block]
+        pages = self._slots.table[slots[pick][span], block - first_block[pick][span]]
         source_rows, target_rows = [pages * size + first - block * size], [offsets[pick][span] + first - starts[pick][span]]
         lengths = [end - first]
         others = np.flatnonzero(~own).tolist()
@@ -615,6 +641,10 @@ class RoutedExpertsCache:
             check_position("end", end, request_id)
         if not 0 <= start <= end:
             raise RangeUnavailableError(f"request {request_id!r}: invalid range [{start}, {end})")
+        if end > self.max_position:
+            raise RangeUnavailableError(
+                f"request {request_id!r}: range [{start}, {end}) goes past the cache's max_position {self.max_position}"
+            )
         request = self._requests.get(request_id)
         if request is None:
             raise RangeUnavailableError(
@@ -692,8 +722,10 @@ class RoutedExpertsCache:
         (it recomputes them). Unknown requests and positions at or past the cursor: no-op.
         """
         check_request_id(request_id)
-        if check_position("position", position, request_id) < 0:
-            raise InvalidCaptureError(f"request {request_id!r}: rewind position must be >= 0, got {position}")
+        if not 0 <= check_position("position", position, request_id) <= self.max_position:
+            raise InvalidCaptureError(
+                f"request {request_id!r}: rewind position {position} is outside [0, max_position {self.max_position}]"
+            )
         request = self._requests.get(request_id)
         if request is None or request.first_block is None or position >= self._cursor_of(request):
             return
@@ -781,7 +813,7 @@ class RoutedExpertsCache:
                 or self._slots.ids[r.slot] != request_id or self._slots.of[request_id] != r.slot
             ):
                 problems.append("a request's slot arrays disagree with its block map")
-            elif r.own_pages and self._slots.table[r.slot, first : first + len(r.own_pages)].tolist() != r.own_pages:
+            elif r.own_pages and self._slots.table[r.slot, : len(r.own_pages)].tolist() != r.own_pages:
                 problems.append("the block table disagrees with a request's own pages")
         if problems:
             raise RoutedExpertsCacheError("cache accounting is inconsistent: " + "; ".join(problems))

@@ -1,6 +1,6 @@
 """The worker connector under random vLLM-shaped schedules, checked against a plain model.
 
-A Hypothesis state machine drives ``CacheWorkerConnector`` with vLLM 0.33's metadata types
+A Hypothesis state machine drives ``CacheWorkerConnector`` with vLLM 0.33's / 0.34's metadata types
 and no model: random batches with speculative drafts and rejections, up to
 ``max_concurrent_batches`` steps in flight (so the CPU's ``num_computed_tokens`` assumes all
 drafts were accepted and the connector must re-attach), hash-only updates, finishes with
@@ -26,7 +26,7 @@ from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, r
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
 from routed_experts_cache import RoutedExpertsCache
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector
+from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector
 
 MAX_IN_FLIGHT = 2
 POISON = np.full(ROW, 255, dtype=np.uint8)

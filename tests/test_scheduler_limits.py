@@ -1,6 +1,6 @@
-"""Limits tier: vLLM 0.33's real scheduler with TINY KV caches against this project's connector.
+"""Limits tier: vLLM 0.33's / 0.34's real scheduler with TINY KV caches against this project's connector.
 
-Runs only in the vLLM 0.33 environment (``.venv-vllm033``). The real ``Scheduler`` /
+Runs in the vLLM 0.33 and 0.34 environments (``.venv-vllm033``, ``.venv-vllm034``). The real ``Scheduler`` /
 ``AsyncScheduler`` runs with a few dozen KV blocks, so KV eviction, preemption and the
 aux-output scheduler's retained blocks at capacity (``AuxOutputSchedulerConnector._capacity``:
 ``num_blocks``, doubled with a KV connector) happen all the time. The traffic is multi-turn
@@ -37,11 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from cpu_harness.vllm033 import (  # first: fails with a clear message outside vLLM 0.33
+from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
     HarnessError,
     RetainedPins,
     SimEngine,
-    SnapshotCapturer,
     build_our_connector,
     make_request,
     make_scheduler,
@@ -218,7 +217,7 @@ def run_config(config: Config, steps: int) -> Row:
         block_size=BLOCK,
         kv_connector={"load_mode": "alternate", "async_load_steps": 1} if config.kv_connector else None,
     )
-    engine = SimEngine(setup, build_our_connector(setup, SnapshotCapturer()), seed=config.seed)
+    engine = SimEngine(setup, build_our_connector(setup), seed=config.seed)
     meter = PageMeter(engine, row)
     pins = RetainedPins(engine.runner)
     traffic = Traffic(setup, engine, np.random.default_rng(config.seed))
@@ -289,7 +288,7 @@ def test_limits_tiny_kv_cache(config):
 def _issue_schedule():
     setup = make_scheduler(lookahead=0, num_spec_tokens=0, async_scheduling=False, num_blocks=16, block_size=16,
                            max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512)
-    engine = SimEngine(setup, build_our_connector(setup, SnapshotCapturer()), seed=0)
+    engine = SimEngine(setup, build_our_connector(setup), seed=0)
     row = Row("issue-schedule")
     meter = PageMeter(engine, row)
     rng = np.random.default_rng(2026)

@@ -5,17 +5,19 @@ from itertools import repeat
 import numpy as np
 
 from .checks import check_request_id, index_array
-from .errors import RoutedExpertsCacheError
+from ..errors import RoutedExpertsCacheError
 
 
 class RequestSlots:
     """Each live request has a slot; per slot, arrays mirror its block map.
 
     ``cursor[s]`` is the next position to capture, ``first_block[s]`` the first block the
-    request captured itself (-1 before its first capture), ``table[s, b]`` the page of its own
-    block ``b`` (-1 elsewhere) and ``ids[s]`` its id, so a slot handed back by a caller is
-    checked against the request it names. A finished request's slot is reused; the arrays
-    grow by doubling, so a step never reallocates them in the common case.
+    request captured itself (-1 before its first capture), ``table[s, k]`` the page of its
+    ``k``-th own block, block ``first_block[s] + k`` (-1 elsewhere), and ``ids[s]`` its id, so
+    a slot handed back by a caller is checked against the request it names. The table is as
+    wide as the most blocks one request holds, however far out a request starts. A finished
+    request's slot is reused; the arrays grow by doubling, so a step never reallocates them
+    in the common case.
     """
 
     def __init__(self) -> None:
@@ -53,14 +55,14 @@ class RequestSlots:
         self.ids[slot] = None
         self._free.append(slot)
 
-    def set_pages(self, slots, blocks, pages) -> None:
-        """``table[slots, blocks] = pages``, widening the table to the largest block."""
-        width = int(np.max(blocks)) + 1
+    def set_pages(self, slots, own_blocks, pages) -> None:
+        """``table[slots, own_blocks] = pages``, widening the table to the largest own block."""
+        width = int(np.max(own_blocks)) + 1
         if width > self.table.shape[1]:
             grown = np.full((self.table.shape[0], 1 << (width - 1).bit_length()), -1, dtype=np.int64)
             grown[:, : self.table.shape[1]] = self.table
             self.table = grown
-        self.table[slots, blocks] = pages
+        self.table[slots, own_blocks] = pages
 
     def lookup(self, request_ids: list) -> np.ndarray:
         """Slots of live requests, -1 for unknown ones; ids of the wrong type are refused."""

@@ -1,6 +1,11 @@
-"""Drive vLLM 0.33's real scheduler side against a worker connector, without a model.
+"""Drive vLLM 0.33's or 0.34's real scheduler side against a worker connector, without a model.
 
-Real vLLM 0.33 pieces: ``VllmConfig`` (a DeepSeek-V3 MTP speculative config, so
+What differs between the two releases comes from ``routed_experts_cache.connector.vllm.versions``
+(``CONTRACT``: the installed release's row). ``build_our_connector`` builds this project's
+connector through the plugin's factory the way the installed release's Model Runner V2 does
+(0.34: the real ``GPUModelRunner.profile_run``, then ``initialize_output_storage``).
+
+Real vLLM pieces: ``VllmConfig`` (a DeepSeek-V3 MTP speculative config, so
 ``num_hash_lookahead_tokens`` is 1 or 2 exactly as vLLM derives it), the real
 ``Scheduler`` / ``AsyncScheduler`` with its ``KVCacheManager`` and ``BlockPool``,
 ``Request`` with the block hasher of ``vllm.v1.core.kv_cache_utils`` (lookahead tokens
@@ -57,30 +62,40 @@ exactly ``[routed_experts_prompt_start, num_tokens - 1)``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from math import prod
 from types import SimpleNamespace
+from unittest import mock
+
+from routed_experts_cache.connector.vllm.versions import contract_for, series_of  # noqa: E402
+
+VLLM_VERSION = importlib.metadata.version("vllm")
+CONTRACT = contract_for(VLLM_VERSION)
+if CONTRACT is None or not CONTRACT.scheduler_pins:
+    raise RuntimeError(f"the scheduler harness needs vLLM 0.33.x or 0.34.x, found {VLLM_VERSION}")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # vLLM caches model-class inspection results; keep them out of the user's cache but
 # reuse them across runs (the first run inspects the two architectures, ~15 s).
-os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "routed-experts-cache-vllm033"))
+os.environ.setdefault(
+    "VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"routed-experts-cache-vllm{series_of(VLLM_VERSION)}")
+)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import vllm  # noqa: E402
-
-if not vllm.__version__.startswith("0.33"):
-    raise RuntimeError(f"the vLLM 0.33 harness needs vLLM 0.33.x, found {vllm.__version__}")
-
+import vllm.v1.worker.gpu.model_runner as runner_module  # noqa: E402
 from vllm.config import (  # noqa: E402
     AuxOutputConfig,
     CacheConfig,
@@ -90,11 +105,19 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
+    set_current_vllm_config,
 )
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput  # noqa: E402
 from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer  # noqa: E402
 from vllm.distributed.aux_output_connector.store import BackgroundBlockObjectStore, BlockObjectStore  # noqa: E402
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector  # noqa: E402
+from vllm.distributed.parallel_state import (  # noqa: E402
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+    model_parallel_is_initialized,
+)
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.layers.fused_moe import routed_experts_capturer  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
@@ -108,7 +131,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from routed_experts_cache import RoutedExpertsCache  # noqa: E402
-from routed_experts_cache.connector.vllm_worker import CacheWorkerConnector, build_cache  # noqa: E402
+from routed_experts_cache.connector.vllm import plugin as vllm_plugin  # noqa: E402
+from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector, build_cache  # noqa: E402
 
 BLOCK_SIZE = 4
 ROW_SHAPE = (3, 2)  # (layers, top_k)
@@ -175,7 +199,7 @@ def _model_dir(num_nextn_predict_layers: int) -> str:
             atexit.register(shutil.rmtree, path, ignore_errors=True)
             config = dict(
                 architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=512,
-                hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=ROW_SHAPE[0],
                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=NUM_EXPERTS,
                 num_experts_per_tok=ROW_SHAPE[1], n_shared_experts=1, first_k_dense_replace=0, n_group=1,
                 topk_group=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=32,
@@ -243,9 +267,13 @@ def make_scheduler(
     model_config = ModelConfig(
         model=_model_dir(nextn), skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len
     )
-    if kv_connector is not None and lookahead != 0:
-        # VllmConfig.num_hash_lookahead_tokens: "KV connectors ... keep the legacy hashes".
-        raise HarnessError("vLLM 0.33 turns lookahead hashing off with a KV connector: use lookahead=0")
+    keeps_lookahead = kv_connector is not None and kv_connector.get("keeps_lookahead_hashes", False)
+    if keeps_lookahead and not CONTRACT.kv_connectors_may_keep_lookahead:
+        raise HarnessError(f"vLLM {CONTRACT.series} has no KV connector that keeps lookahead hashing")
+    if kv_connector is not None and lookahead != 0 and not keeps_lookahead:
+        # VllmConfig.num_hash_lookahead_tokens: KV connectors keep the legacy hashes unless they
+        # opt in (0.34's supports_lookahead_block_hashes).
+        raise HarnessError("a KV connector without the lookahead opt-in turns lookahead hashing off: use lookahead=0")
     speculative_config = None
     if num_spec_tokens > 0:
         # With a KV connector lookahead hashing stays requested (vLLM's default) and vLLM
@@ -253,7 +281,7 @@ def make_scheduler(
         speculative_config = SpeculativeConfig(
             method="mtp", num_speculative_tokens=num_spec_tokens, target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
-            disable_lookahead_block_hashes=lookahead == 0 and kv_connector is None,
+            disable_lookahead_block_hashes=lookahead == 0 and (kv_connector is None or keeps_lookahead),
         )
     kv_transfer = None
     if kv_connector is not None:
@@ -275,7 +303,7 @@ def make_scheduler(
         raise HarnessError(
             f"vLLM derived num_hash_lookahead_tokens={vllm_config.num_hash_lookahead_tokens}, wanted {lookahead}"
         )
-    if not vllm_config.use_v2_model_runner:
+    if CONTRACT.has_model_runner_v1 and not vllm_config.use_v2_model_runner:
         raise HarnessError("routed experts need Model Runner V2")
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
@@ -346,9 +374,135 @@ class SnapshotCapturer:
         return snapshot
 
 
-def build_our_connector(setup: SchedulerSetup, capturer: SnapshotCapturer, *, backend: str | None = None,
-                        num_pages: int | None = None) -> CacheWorkerConnector:
-    """This project's connector, sized by its own ``build_cache`` unless a pool is forced."""
+class HarnessMoEModel(torch.nn.Module):
+    """The model the factory binds vLLM's capturer to: one capture source per MoE layer (the
+    ``RoutedExpertsCaptureSource`` protocol: ``layer_id`` and the ``capture_fn`` vLLM sets)."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.moe_layers = torch.nn.ModuleList(_CaptureSource(layer) for layer in range(num_layers))
+
+    def route(self, rows: torch.Tensor, vllm_config: VllmConfig) -> None:
+        """What the MoE layers do in a forward pass (under inference mode, as Model Runner V2's
+        ``execute_model``): hand each layer's top-k ids to its hook."""
+        with torch.inference_mode(), set_forward_context(None, vllm_config):
+            for layer in self.moe_layers:
+                layer.capture_fn(rows[:, layer.layer_id])
+
+
+class _CaptureSource(torch.nn.Module):
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.capture_fn = None
+
+
+# connector -> the model its capturer is bound to; weak, so a collected connector's id, reused
+# by a later object, never routes that object's rows into a stale model
+_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DISTRIBUTED_LOCK = threading.Lock()
+
+
+def _ensure_single_rank_group(vllm_config: VllmConfig) -> None:
+    """A one-process gloo world, so ``get_tp_group()`` answers as on a single-GPU worker."""
+    with _DISTRIBUTED_LOCK:
+        if model_parallel_is_initialized():
+            return
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with set_current_vllm_config(vllm_config):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ensure_model_parallel_initialized(1, 1)
+
+
+@contextlib.contextmanager
+def _set_up_as_a_worker():
+    """What differs from a GPU worker here, and nothing else: the light environment's vLLM has
+    no platform (a CUDA wheel without CUDA), so the capturer's buffer goes to the CPU, and
+    ``profile_run``'s device sync has no accelerator to wait for."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(
+            routed_experts_capturer, "current_platform", SimpleNamespace(device_type="cpu")))
+        if not torch.accelerator.is_available():
+            stack.enter_context(mock.patch.object(torch.accelerator, "synchronize", lambda *args, **kwargs: None))
+        yield
+
+
+def build_connector_like_vllm(setup: SchedulerSetup) -> CacheWorkerConnector:
+    """This project's connector, built by the plugin's factory as the installed vLLM builds it.
+
+    The plugin is registered as vLLM does at start-up (it replaces the factory in the model
+    runner's module). vLLM 0.34: the real ``GPUModelRunner.profile_run`` calls the factory
+    ``(model, vllm_config)`` and runs its dummy pass (the harness model routes
+    ``max_num_batched_tokens`` rows through the live capture hooks), then
+    ``initialize_output_storage(kv_cache_config)`` as ``initialize_kv_cache`` calls it.
+    vLLM 0.33: one call ``(model, vllm_config, kv_cache_config)``, as its ``initialize_kv_cache``.
+    """
+    vllm_config = setup.vllm_config
+    _ensure_single_rank_group(vllm_config)
+    model = HarnessMoEModel(vllm_config.model_config.get_total_num_hidden_layers())
+    saved = runner_module.get_aux_output_connector
+    try:
+        with _set_up_as_a_worker():
+            if not vllm_plugin.register():
+                raise HarnessError("the plugin did not install its worker connector factory")
+            if CONTRACT.two_step_storage:
+                runner = _profiling_runner(vllm_config, model)
+                runner.profile_run()
+                connector = runner.aux_output_connector
+                if connector is None or connector.cache is not None:
+                    raise HarnessError(f"profile_run built {connector!r}, expected a connector without storage")
+                connector.initialize_output_storage(setup.kv_cache_config)
+            else:
+                connector = runner_module.get_aux_output_connector(model, vllm_config, setup.kv_cache_config)
+    finally:
+        runner_module.get_aux_output_connector = saved
+    if not isinstance(connector, CacheWorkerConnector):
+        raise HarnessError(f"the model runner's factory built {type(connector).__name__}")
+    _MODELS[connector] = model
+    return connector
+
+
+def _profiling_runner(vllm_config: VllmConfig, model: HarnessMoEModel):
+    """vLLM 0.34's ``GPUModelRunner`` with the attributes ``profile_run`` reads (its ``__init__``
+    needs a GPU); the dummy pass routes rows through the model's capture hooks."""
+    runner = object.__new__(runner_module.GPUModelRunner)
+    runner.vllm_config, runner.model = vllm_config, model
+    runner.supports_mm_inputs, runner.is_first_pp_rank, runner.is_last_pp_rank = False, True, False
+    runner.encoder_cache = runner.pooling_runner = None
+    runner.aux_output_connector = None
+    runner.dummy_rows_routed = 0
+
+    def dummy_run(num_tokens: int, **_options):
+        model.route(torch.zeros((num_tokens, *ROW_SHAPE), dtype=torch.int64), vllm_config)
+        runner.dummy_rows_routed += num_tokens
+        return None, None
+
+    runner._dummy_run = dummy_run
+    runner.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    return runner
+
+
+def feed_rows(connector, rows: torch.Tensor, vllm_config: VllmConfig) -> None:
+    """A step's routing rows, as the connector's capturer receives them: through the model's
+    capture hooks for a factory-built connector, as the stand-in's next snapshot otherwise."""
+    model = _MODELS.get(connector)
+    if model is not None:
+        model.route(rows, vllm_config)
+    else:
+        connector._capturer.next_snapshot = rows
+
+
+def build_our_connector(setup: SchedulerSetup, capturer: SnapshotCapturer | None = None, *,
+                        backend: str | None = None, num_pages: int | None = None) -> CacheWorkerConnector:
+    """This project's connector: built the way vLLM builds it (``build_connector_like_vllm``)
+    unless a stand-in capturer is given or a pool is forced; then constructed directly, sized
+    by its own ``build_cache`` unless ``num_pages`` is given."""
+    if capturer is None and backend is None and num_pages is None:
+        return build_connector_like_vllm(setup)
+    capturer = capturer or SnapshotCapturer()
     if backend is None and num_pages is None:
         cache = build_cache(setup.vllm_config, setup.kv_cache_config, capturer)
     else:
@@ -607,10 +761,10 @@ class SimModelRunner:
     poisoned one become invalid.
     """
 
-    def __init__(self, connector, capturer: SnapshotCapturer, *, num_spec_tokens: int, async_scheduling: bool,
+    def __init__(self, connector, vllm_config: VllmConfig, *, num_spec_tokens: int, async_scheduling: bool,
                  seed: int = 0, accept=None, kv_worker=None, block_size: int = BLOCK_SIZE) -> None:
         self.connector = connector
-        self.capturer = capturer
+        self.vllm_config = vllm_config
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
         self.kv_worker = kv_worker
@@ -812,7 +966,7 @@ class SimModelRunner:
         ):
             self.device[request_id].cpu_computed = cpu_computed
             if new_block_ids is not None:
-                if request_id in cached.resumed_req_ids:
+                if CONTRACT.cached_requests_have_resumed_ids and request_id in cached.resumed_req_ids:
                     self.block_tables[request_id] = list(new_block_ids[0])
                 else:
                     self.block_tables[request_id].extend(new_block_ids[0])
@@ -907,7 +1061,7 @@ class SimModelRunner:
         if self.kv_worker is not None:
             self._update_kv_validity(spans, poison_starts)
 
-        self.capturer.next_snapshot = torch.from_numpy(np.stack(rows))
+        feed_rows(self.connector, torch.from_numpy(np.stack(rows)), self.vllm_config)
         input_batch = SimpleNamespace(
             req_ids=order,
             query_start_loc_np=np.array(query_start_loc, dtype=np.int32),
@@ -916,9 +1070,8 @@ class SimModelRunner:
         pending = self.connector.prepare_output(input_batch)
         if pending is not None:
             pending.enqueue_cpu_copy(np.array(num_sampled, dtype=np.int32), np.array(num_rejected, dtype=np.int32))
-        output = ModelRunnerOutput(
-            req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)}, sampled_token_ids=sampled
-        )
+        index = {"req_id_to_index": {r: i for i, r in enumerate(order)}} if CONTRACT.runner_output_has_req_id_to_index else {}
+        output = ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, **index)
         output.kv_connector_output = self._kv_post_forward(so)
         return _StepHandle(self, pending, output, poisoned_spans)
 
@@ -1012,7 +1165,7 @@ class SimEngine:
         self.scheduler = setup.scheduler
         self.capturer = connector._capturer
         self.connector = connector
-        self.runner = SimModelRunner(connector, self.capturer, num_spec_tokens=setup.num_spec_tokens,
+        self.runner = SimModelRunner(connector, setup.vllm_config, num_spec_tokens=setup.num_spec_tokens,
                                      async_scheduling=setup.async_scheduling, seed=seed, accept=accept,
                                      kv_worker=setup.kv_worker, block_size=setup.block_size)
         self.batch_queue: deque = deque()

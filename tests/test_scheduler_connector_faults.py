@@ -1,4 +1,4 @@
-"""Faults and concurrency in the worker connector, with vLLM 0.33's metadata types, no model.
+"""Faults and concurrency in the worker connector, with vLLM 0.33's / 0.34's metadata types, no model.
 
 Each fault yields a typed error (or a documented recovery), names the request, and leaves
 every other request's rows intact and readable. The concurrency test runs ``begin_step`` on
@@ -15,9 +15,9 @@ import torch
 from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
-from cpu_harness.vllm033 import SnapshotCapturer, build_our_connector, make_scheduler
+from cpu_harness.vllm_scheduler import SnapshotCapturer, build_our_connector, make_scheduler
 from routed_experts_cache import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
-from routed_experts_cache.connector.vllm_worker import (
+from routed_experts_cache.connector.vllm.worker import (
     LOG_INTERVAL_ENV,
     CacheWorkerConnector,
     ConnectorStateError,
@@ -271,7 +271,7 @@ def test_backend_is_chosen_by_environment(monkeypatch):
     monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "triton")  # on CPU under TRITON_INTERPRET=1
     assert build_our_connector(setup, SnapshotCapturer()).cache.backend == "triton"
     monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "cuda-graphs")
-    with pytest.raises(RoutedExpertsCacheError, match="backend must be"):
+    with pytest.raises(RoutedExpertsCacheError, match=r"ROUTED_EXPERTS_CACHE_BACKEND='cuda-graphs' is not understood"):
         build_our_connector(setup, SnapshotCapturer())
 
 

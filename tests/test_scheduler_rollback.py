@@ -1,6 +1,6 @@
-"""KV load failures with the "recompute" policy: vLLM 0.33 rolls back num_computed_tokens.
+"""KV load failures with the "recompute" policy: vLLM 0.33 and 0.34 roll back num_computed_tokens.
 
-Runs only in the vLLM 0.33 environment (``.venv-vllm033``). The real 0.33 ``Scheduler`` with
+Runs in the vLLM 0.33 and 0.34 environments (their invalid-block handling is the same). The real ``Scheduler`` with
 the stub KV connector of ``cpu_harness/kv_connector.py`` (loaded through vLLM's
 ``kv_transfer_config``, ``kv_load_failure_policy="recompute"``): request ``s`` re-sends a
 donor's 40-token prompt after other traffic evicted the donor's KV (the aux-output scheduler
@@ -34,7 +34,7 @@ scenarios are satisfiable (a failure of "ours" is the connector's).
 import numpy as np
 import pytest
 
-from cpu_harness.vllm033 import (  # first: fails with a clear message outside vLLM 0.33
+from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
     HarnessError,
     SimEngine,
     SnapshotCapturer,
@@ -46,7 +46,7 @@ from cpu_harness.vllm033 import (  # first: fails with a clear message outside v
     random_prompt,
 )
 
-BUILD = {"ours": build_our_connector, "vllm": build_vllm_connector, "reference": build_reference_connector}
+BUILD = {"ours": lambda setup, _capturer: build_our_connector(setup), "vllm": build_vllm_connector, "reference": build_reference_connector}
 SPEC = pytest.mark.parametrize("num_spec_tokens", [0, 2], ids=["nospec", "mtp2"])
 VLLM_ERROR = "auxiliary output capture moved backwards"
 
