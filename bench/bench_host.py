@@ -5,7 +5,7 @@
 
 The built-in connector is labelled with the installed version (``vllm-0.34.0-builtin``). One
 synthetic engine trace per concurrency level is recorded from the installed vLLM's real
-scheduler (``cpu_harness/vllm_scheduler.py``: its ``Scheduler``, ``KVCacheManager``, block hasher
+scheduler (``cpu_harness/vllm_scheduler/``: its ``Scheduler``, ``KVCacheManager``, block hasher
 and ``AuxOutputSchedulerConnector``; a simulated runner with EAGLE-style 4-token drafts and
 random rejections): requests share system prefixes, prefill in chunks, finish and are
 replaced. The trace (metadata, batches, snapshots, acceptance counts, in vLLM's async call

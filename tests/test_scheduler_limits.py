@@ -7,7 +7,7 @@ aux-output scheduler's retained blocks at capacity (``AuxOutputSchedulerConnecto
 conversations whose next turn re-sends the whole history (previous prompt + generated tokens
 + new tokens), usually after other traffic evicted it, plus one-shot requests that share
 system prefixes; speculative decoding (MTP) with rejections, lookahead hashing 0/1/2, sync and
-async scheduling, with and without the stub KV connector (``cpu_harness/kv_connector.py``,
+async scheduling, with and without the stub KV connector (``cpu_harness/vllm_scheduler/kv_connector.py``,
 whose external hits serve rows from retained blocks).
 
 The connector is ``build_our_connector(setup, capturer)``: its pool is sized by the project's

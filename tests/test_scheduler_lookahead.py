@@ -6,7 +6,7 @@ the tests drive the real ``Scheduler`` / ``AsyncScheduler`` (with its ``KVCacheM
 ``BlockPool``, ``Request`` block hasher with 1 or 2 lookahead tokens and the
 ``AuxOutputSchedulerConnector`` it builds) against ``CacheWorkerConnector``, with a
 simulated Model Runner V2 and synthetic routing rows that are a pure function of the token
-prefix (see ``cpu_harness/vllm_scheduler.py``). Every row the connector returns, and every request's rows
+prefix (see ``cpu_harness/vllm_scheduler/``). Every row the connector returns, and every request's rows
 as the client assembles them from ``take_output``'s chunks, must equal that function.
 
 Our connector is built by the plugin's factory the way the installed vLLM builds it (0.34:

@@ -1,7 +1,7 @@
 """KV load failures with the "recompute" policy: vLLM 0.33 and 0.34 roll back num_computed_tokens.
 
 Runs in the vLLM 0.33 and 0.34 environments (their invalid-block handling is the same). The real ``Scheduler`` with
-the stub KV connector of ``cpu_harness/kv_connector.py`` (loaded through vLLM's
+the stub KV connector of ``cpu_harness/vllm_scheduler/kv_connector.py`` (loaded through vLLM's
 ``kv_transfer_config``, ``kv_load_failure_policy="recompute"``): request ``s`` re-sends a
 donor's 40-token prompt after other traffic evicted the donor's KV (the aux-output scheduler
 still retains its rows), so 40 tokens are an external hit, loaded synchronously or

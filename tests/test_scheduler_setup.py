@@ -17,12 +17,12 @@ from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMe
 from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
     CONTRACT,
     ROW_SHAPE,
-    _profiling_runner,
-    _set_up_as_a_worker,
+    HarnessMoEModel,
     build_connector_like_vllm,
     feed_rows,
     make_scheduler,
 )
+from cpu_harness.vllm_scheduler.connectors import ensure_single_rank_group, profiling_runner, set_up_as_a_worker
 from routed_experts_cache.connector.vllm import plugin as vllm_plugin, worker as vllm_worker
 from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector, ConnectorStateError, build_cache
 
@@ -71,12 +71,10 @@ def test_vllm_034_profile_run_calls_the_factory_then_storage_comes_with_the_kv_l
     model_runner = None
     saved = runner_module.get_aux_output_connector
     try:
-        from cpu_harness.vllm_scheduler import HarnessMoEModel
-
         model = HarnessMoEModel(setup.vllm_config.model_config.get_total_num_hidden_layers())
-        with _set_up_as_a_worker():
+        with set_up_as_a_worker():
             assert vllm_plugin.register() is True
-            model_runner = _profiling_runner(setup.vllm_config, model)
+            model_runner = profiling_runner(setup.vllm_config, model)
             model_runner.profile_run()  # vLLM 0.34's own code calls the (patched) factory
     finally:
         runner_module.get_aux_output_connector = saved
@@ -101,11 +99,9 @@ def test_vllm_034_profile_run_calls_the_factory_then_storage_comes_with_the_kv_l
 def test_both_call_shapes_of_the_factory_are_accepted():
     """0.33's one-call shape and 0.34's two-step shape give the same pool."""
     setup = make_scheduler(lookahead=1)
-    from cpu_harness.vllm_scheduler import HarnessMoEModel, _ensure_single_rank_group
-
-    _ensure_single_rank_group(setup.vllm_config)
+    ensure_single_rank_group(setup.vllm_config)
     num_layers = setup.vllm_config.model_config.get_total_num_hidden_layers()
-    with _set_up_as_a_worker():
+    with set_up_as_a_worker():
         one_call = vllm_worker.get_aux_output_connector(HarnessMoEModel(num_layers), setup.vllm_config,
                                                         setup.kv_cache_config)
         two_step = vllm_worker.get_aux_output_connector(HarnessMoEModel(num_layers), setup.vllm_config)

@@ -45,10 +45,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from cpu_harness.vllm_scheduler import HarnessError
+from .toy_model import HarnessError
 
 CONNECTOR_NAME = "StubKVConnector"
-MODULE_PATH = "cpu_harness.kv_connector"
+MODULE_PATH = __name__  # vLLM imports the connector class from here
 LOAD_MODES = ("sync", "async", "alternate")
 _OPTIONS = {"load_mode", "async_load_steps", "store_blocks", "min_hit_blocks", "keeps_lookahead_hashes"}
 
