@@ -75,7 +75,8 @@ def differential_workload(device, steps: int = 3000) -> int:
                 request["cursor"] += count
             if spans:
                 source = torch.cat(snapshot)
-                outcome = apply("capture_from", source.to(device), spans)
+                names, starts, source_starts, counts = (list(column) for column in zip(*spans))
+                outcome = apply("capture_batch", source.to(device), names, starts, source_starts, counts)
                 if outcome[0][0] == "error":
                     for name, start, _, count in spans:
                         live[name]["cursor"] = start
@@ -88,15 +89,15 @@ def differential_workload(device, steps: int = 3000) -> int:
             apply("add_block_hashes", name, hashes)
         elif action < 0.92:
             names = rng.sample(sorted(live), min(len(live), rng.randrange(1, 4)))
-            intervals = []
+            starts, ends = [], []
             for name in names:
-                end = rng.randrange(0, live[name]["cursor"] + 1)
-                intervals.append((name, rng.randrange(0, end + 1), end))
-            outcome = apply("read_packed", intervals)
+                ends.append(rng.randrange(0, live[name]["cursor"] + 1))
+                starts.append(rng.randrange(0, ends[-1] + 1))
+            outcome = apply("read_batch", names, starts, ends)
             if outcome[0][0] == "ok":
                 (gpu, gpu_offsets), (cpu, cpu_offsets) = outcome[0][1], outcome[1][1]
-                if gpu_offsets != cpu_offsets or not torch.equal(gpu.cpu(), cpu):
-                    raise SystemExit(f"step {step}: read mismatch for {intervals}")
+                if gpu_offsets.tolist() != cpu_offsets.tolist() or not torch.equal(gpu.cpu(), cpu):
+                    raise SystemExit(f"step {step}: read mismatch for {list(zip(names, starts, ends))}")
                 reads += 1
         else:
             name = rng.choice(sorted(live))
@@ -124,7 +125,7 @@ def side_stream_ordering(device, trials: int = 10) -> tuple[int, int]:
         ready = side.mark_ready()
 
         def capture_and_read():
-            cache.capture_from(snapshot, [("r", 0, 0, n)])
+            cache.capture_batch(snapshot, ["r"], [0], [0], [n])
             return cache.read("r", 0, n).cpu()
 
         if ordered:

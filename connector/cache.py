@@ -16,11 +16,14 @@ outside. Nothing pins a page no one will read.
 Reads walk the block map, so published, pending and tail blocks are one lookup. Rows move on
 the device with one scatter per capture call and one gather per read call.
 
-Every request also has a slot: its cursor and first captured block live in slot-indexed arrays,
-and a block table ``[slots, blocks]`` mirrors its own pages. The batched calls an engine makes
-every step (``capture_batch``, ``read_batch``) work on those arrays with a constant number of
-numpy operations; Python runs only per new page, per completed block and for the rare spans
-the arrays do not cover (first captures, prefix reads), which take the per-request path.
+There is one way in per idea: ``capture_batch``, ``read_batch`` and ``add_block_hashes_batch``
+take an engine step's requests at once; ``capture``, ``read`` and ``add_block_hashes`` are the
+same calls for one request. Every request also has a slot: its cursor and first captured block
+live in slot-indexed arrays, and a block table ``[slots, blocks]`` mirrors its own pages. The
+batched capture and read work on those arrays with a constant number of numpy operations;
+Python runs only per new page, per completed block and for the rare spans the arrays do not
+cover (first captures, prefix reads), which take the per-request path (``_plan_captures``,
+``_append_segments``).
 """
 
 from collections import Counter
@@ -150,37 +153,15 @@ class RoutedExpertsCache:
     # ----------------------------------------------------------------- capture
 
     def capture(self, request_id, start: int, rows: torch.Tensor) -> None:
-        """Store ``rows[n, *row_shape]`` as positions ``start .. start + n - 1``."""
-        self.capture_many([(request_id, start, rows)])
+        """Store ``rows[n, *row_shape]`` as positions ``start .. start + n - 1``.
 
-    def capture_many(self, items: Iterable[tuple[object, int, torch.Tensor]]) -> None:
-        """Validate every item, then write all of them with one device launch."""
-        items = as_list(items, "capture items")
-        spans, offset = [], 0
-        for item in items:
-            if type(item) is not tuple or len(item) != 3:
-                raise InvalidCaptureError(f"a capture item is (request_id, start, rows), got {item!r}")
-            check_rows(item[0], item[2], self.row_shape)
-            spans.append((item[0], item[1], offset, item[2].shape[0]))
-            offset += item[2].shape[0]
-        plans, num_new_pages = self._plan_captures(offset, spans)
-        for (_, _, rows), (request_id, start, _, count) in zip(items, spans):
-            check_row_values(rows, [(request_id, start, 0, count)], self.dtype)
-        if plans:
-            self._write(plans, num_new_pages, self._source_words([rows for _, _, rows in items]))
-
-    def capture_from(self, source: torch.Tensor, spans: Iterable[tuple[object, int, int, int]]) -> None:
-        """Capture slices of one row tensor: ``(request_id, start, source_start, count)``.
-
-        The batched form the vLLM adapter uses: a step's snapshot is captured where it lies
-        (narrowed once if needed), with one scatter for all requests.
+        ``capture_batch`` for one request. Its rows and span are checked here first, so every
+        error names the request, also for a position no int64 array can hold.
         """
-        spans = as_list(spans, "capture spans")
-        check_rows("<batch>", source, self.row_shape)
-        plans, num_new_pages = self._plan_captures(source.shape[0], spans)
-        check_row_values(source, spans, self.dtype)
-        if plans:
-            self._write(plans, num_new_pages, self._source_words([source]))
+        check_rows(request_id, rows, self.row_shape)
+        count = rows.shape[0]
+        self._check_span(request_id, start, 0, count, count)
+        self.capture_batch(rows, [request_id], [start], [0], [count])
 
     # ------------------------------------------------- batched calls (engine steps)
 
@@ -199,12 +180,15 @@ class RoutedExpertsCache:
         return slots
 
     def capture_batch(self, source: torch.Tensor, request_ids: Sequence, starts, source_starts, counts, slots=None) -> None:
-        """``capture_from(source, zip(request_ids, starts, source_starts, counts))`` with arrays.
+        """Store ``source[source_starts[i] : source_starts[i] + counts[i]]`` as request
+        ``request_ids[i]``'s positions from ``starts[i]`` on, for every i.
 
-        The form an engine step uses: spans that continue a request's captured rows are
-        planned, copied and committed with array operations over the batch; the others (first
-        captures, a request listed twice, invalid spans) take ``capture_from``'s checks, and
-        the whole call is still one scatter that either happens completely or not at all.
+        The form an engine step uses: a step's snapshot is captured where it lies (source rows
+        no span names, such as rejected drafts, are never read). Spans that continue a
+        request's captured rows are planned, copied and committed with array operations over
+        the batch; the others (first captures, a request listed twice, invalid spans) are
+        checked one by one in ``_plan_captures``. Either every span is stored, with one
+        scatter, or the call is refused and nothing changes.
         """
         request_ids = as_list(request_ids, "capture request ids")
         check_rows("<batch>", source, self.row_shape)
@@ -238,22 +222,21 @@ class RoutedExpertsCache:
             new_pages = -(-ends // size) + (-starts // size)  # blocks begun past the cursor
             batch = (slots[pick], starts, source_starts[pick], counts[pick], new_pages)
         if plans or batch is not None:
-            self._write(plans, num_new_pages, self._source_words([source]), batch)
+            self._write(plans, num_new_pages, self._source_words(source), batch)
 
-    def _source_words(self, sources: list[torch.Tensor]) -> torch.Tensor:
+    def _source_words(self, source: torch.Tensor) -> torch.Tensor:
         """The rows to copy, on the pool's device in its dtype, as aligned contiguous words.
 
         Runs before any state changes: a source that cannot be converted fails the call.
         """
         try:
-            rows = [source.to(self.device, self.dtype) for source in sources]
-            rows = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+            rows = source.to(self.device, self.dtype).contiguous()
             if rows.data_ptr() % 16:  # a storage offset: word views and wide loads need alignment
                 rows = rows.clone()
             return as_row_words(rows)
         except (RuntimeError, NotImplementedError, TypeError) as error:
             raise InvalidCaptureError(
-                f"rows on {sources[0].device} ({sources[0].dtype}) cannot be copied to the pool on "
+                f"rows on {source.device} ({source.dtype}) cannot be copied to the pool on "
                 f"{self.device} ({self.dtype}): {error}"
             ) from error
 
@@ -303,8 +286,12 @@ class RoutedExpertsCache:
         if num_new_pages + batch_new <= free + evictable:
             return
         wanted = [f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans]
-        if batch is not None:
-            wanted.append(f"{len(batch[0])} continuing requests ({batch_new} pages)")
+        if batch is not None:  # named like the planned spans: a refused capture names its requests
+            slots, starts, _, counts, _ = batch
+            wanted += [
+                f"{self._slots.ids[slot]!r} [{start}, {start + count})"
+                for slot, start, count in zip(slots.tolist(), starts.tolist(), counts.tolist())
+            ]
         raise CacheFullError(
             f"capture of {', '.join(wanted)} needs {num_new_pages + batch_new} new pages; only "
             f"{free} free and {evictable} evictable of {self.num_pages} "
@@ -436,27 +423,8 @@ class RoutedExpertsCache:
         """
         plans, size, num_new_pages = [], self.page_size, 0
         simulated: dict[object, tuple[_Request, int | None, int]] = {}
-        for span in spans:
-            if type(span) is not tuple or len(span) != 4:
-                raise InvalidCaptureError(f"a capture span is (request_id, start, source_start, count), got {span!r}")
-            request_id, start, source_start, count = span
-            if not (type(start) is type(source_start) is type(count) is int and start >= 0 and source_start >= 0 and count >= 0):
-                check_request_id(request_id)
-                for name, value in (("start", start), ("source_start", source_start), ("count", count)):
-                    if check_position(name, value, request_id) < 0:
-                        raise InvalidCaptureError(f"request {request_id!r}: {name} must be >= 0, got {value}")
-            if type(request_id) is not str:
-                check_request_id(request_id)
-            if source_start + count > num_source_rows:
-                raise InvalidCaptureError(
-                    f"request {request_id!r}: rows [{source_start}, {source_start + count}) exceed the "
-                    f"{num_source_rows} source rows"
-                )
-            if start + count > self.max_position:
-                raise InvalidCaptureError(
-                    f"request {request_id!r}: capture at [{start}, {start + count}) goes past the cache's "
-                    f"max_position {self.max_position}"
-                )
+        for request_id, start, source_start, count in spans:
+            self._check_span(request_id, start, source_start, count, num_source_rows)
             if count == 0:
                 continue
             known = simulated.get(request_id)
@@ -484,6 +452,27 @@ class RoutedExpertsCache:
             plans.append((request_id, request, start, source_start, count, new_pages))
             simulated[request_id] = (request, first_block, end)
         return plans, num_new_pages
+
+    def _check_span(self, request_id, start, source_start, count, num_source_rows: int) -> None:
+        """Refuse a capture span with a bad id or position, or one past its source or past
+        ``max_position``; every message names the request."""
+        if not (type(start) is type(source_start) is type(count) is int and start >= 0 and source_start >= 0 and count >= 0):
+            check_request_id(request_id)
+            for name, value in (("start", start), ("source_start", source_start), ("count", count)):
+                if check_position(name, value, request_id) < 0:
+                    raise InvalidCaptureError(f"request {request_id!r}: {name} must be >= 0, got {value}")
+        if type(request_id) is not str:
+            check_request_id(request_id)
+        if source_start + count > num_source_rows:
+            raise InvalidCaptureError(
+                f"request {request_id!r}: rows [{source_start}, {source_start + count}) exceed the "
+                f"{num_source_rows} source rows"
+            )
+        if start + count > self.max_position:
+            raise InvalidCaptureError(
+                f"request {request_id!r}: capture at [{start}, {start + count}) goes past the cache's "
+                f"max_position {self.max_position}"
+            )
 
     # ------------------------------------------------------------------ hashes
 
@@ -566,37 +555,23 @@ class RoutedExpertsCache:
     # -------------------------------------------------------------------- read
 
     def read(self, request_id, start: int, end: int) -> torch.Tensor:
-        """Rows ``[start, end)`` of a request as a new tensor ``[end - start, *row_shape]``."""
-        return self.read_many([(request_id, start, end)])[0]
+        """Rows ``[start, end)`` of a request as a new tensor ``[end - start, *row_shape]``.
 
-    def read_many(self, intervals: Iterable[tuple[object, int, int]]) -> list[torch.Tensor]:
-        """Many intervals with one gather launch; each result is owned (never a pool view)."""
-        packed, offsets = self.read_packed(intervals)
-        return [packed[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-
-    def read_packed(self, intervals: Iterable[tuple[object, int, int]]) -> tuple[torch.Tensor, list[int]]:
-        """All intervals in one new tensor; interval i is ``packed[offsets[i]:offsets[i+1]]``.
-
-        Every interval is located before anything is copied: a missing row fails the call.
+        ``read_batch`` for one interval. Its range is checked here first, so every error names
+        the request, also for a position no int64 array can hold.
         """
-        seg_start, seg_source_row, offsets = [0], [], [0]
-        for interval in as_list(intervals, "read intervals", RangeUnavailableError):
-            if type(interval) is not tuple or len(interval) != 3:
-                raise RangeUnavailableError(f"an interval is (request_id, start, end), got {interval!r}")
-            self._append_segments(interval[0], interval[1], interval[2], seg_source_row, seg_start)
-            offsets.append(seg_start[-1])
-        total = seg_start[-1]
-        packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
-        self._copy_on_device(self._pool_words, as_row_words(packed), np.diff(seg_start), seg_source_row, seg_start[:-1])
-        self._counters["read_rows"] += total
-        return packed, offsets
+        self._check_range(request_id, start, end)
+        return self.read_batch([request_id], [start], [end])[0]
 
     def read_batch(self, request_ids: Sequence, starts, ends, slots=None) -> tuple[torch.Tensor, np.ndarray]:
-        """``read_packed(zip(request_ids, starts, ends))`` with arrays; offsets as an array.
+        """Rows ``[starts[i], ends[i])`` of request ``request_ids[i]`` for every i, in one new
+        tensor (never a view of the pool) with one gather: interval i is
+        ``packed[offsets[i] : offsets[i + 1]]``, ``offsets`` an int64 array of n + 1.
 
         Intervals within a request's own captured rows are located with array operations
-        over the batch; the others (prefix rows, unknown requests, invalid ranges) take
-        ``read_packed``'s path and its errors. Nothing is copied unless every row exists.
+        over the batch; the others (prefix rows, unknown requests, invalid ranges) are walked
+        one by one in ``_append_segments``. Every interval is located before anything is
+        copied: a missing row fails the call.
         """
         request_ids = as_list(request_ids, "read request ids", RangeUnavailableError)
         slots = self._slots.checked(request_ids, slots)
@@ -634,17 +609,7 @@ class RoutedExpertsCache:
 
     def _append_segments(self, request_id, start, end, seg_source_row: list, seg_start: list) -> None:
         """Append the pool segments covering [start, end); raise if any row is missing."""
-        if type(request_id) is not str:
-            check_request_id(request_id)
-        if type(start) is not int or type(end) is not int:
-            check_position("start", start, request_id)
-            check_position("end", end, request_id)
-        if not 0 <= start <= end:
-            raise RangeUnavailableError(f"request {request_id!r}: invalid range [{start}, {end})")
-        if end > self.max_position:
-            raise RangeUnavailableError(
-                f"request {request_id!r}: range [{start}, {end}) goes past the cache's max_position {self.max_position}"
-            )
+        self._check_range(request_id, start, end)
         request = self._requests.get(request_id)
         if request is None:
             raise RangeUnavailableError(
@@ -671,6 +636,21 @@ class RoutedExpertsCache:
             total += run_end - position
             seg_start.append(total)
             position = run_end
+
+    def _check_range(self, request_id, start, end) -> None:
+        """Refuse a read with a bad id or position, a reversed range or one past
+        ``max_position``; every message names the request."""
+        if type(request_id) is not str:
+            check_request_id(request_id)
+        if type(start) is not int or type(end) is not int:
+            check_position("start", start, request_id)
+            check_position("end", end, request_id)
+        if not 0 <= start <= end:
+            raise RangeUnavailableError(f"request {request_id!r}: invalid range [{start}, {end})")
+        if end > self.max_position:
+            raise RangeUnavailableError(
+                f"request {request_id!r}: range [{start}, {end}) goes past the cache's max_position {self.max_position}"
+            )
 
     def _unavailable(self, request_id, request: _Request, start: int, end: int) -> RangeUnavailableError:
         own_start = request.own_start(self.page_size)

@@ -7,6 +7,7 @@ checks with explicit comparisons and reports through its exit code.
 
 import sys
 
+import numpy as np
 import torch
 
 from routed_experts_cache import (
@@ -45,7 +46,7 @@ def same(one, other) -> bool:
 
 
 BAD_CALLS = {
-    # capture / capture_many / capture_from
+    # capture / capture_batch
     "capture float rows": (lambda c: c.capture("a", 6, rows(2).float()), InvalidCaptureError),
     "capture bool rows": (lambda c: c.capture("a", 6, rows(2) > 0), InvalidCaptureError),
     "capture numpy rows": (lambda c: c.capture("a", 6, rows(2).numpy()), InvalidCaptureError),
@@ -57,17 +58,24 @@ BAD_CALLS = {
     "capture negative start": (lambda c: c.capture("new", -4, rows(2)), InvalidCaptureError),
     "capture float start": (lambda c: c.capture("a", 6.0, rows(2)), RoutedExpertsCacheError),
     "capture bool start": (lambda c: c.capture("a", True, rows(2)), RoutedExpertsCacheError),
+    "capture numpy start": (lambda c: c.capture("a", np.int64(6), rows(2)), RoutedExpertsCacheError),
+    "capture start past int64": (lambda c: c.capture("a", 2**63, rows(2)), InvalidCaptureError),
     "capture list id": (lambda c: c.capture(["a"], 6, rows(2)), RoutedExpertsCacheError),
     "capture None id": (lambda c: c.capture(None, 0, rows(2)), RoutedExpertsCacheError),
     "capture id above uint8": (lambda c: c.capture("a", 6, rows(2) + 250), InvalidCaptureError),
     "capture negative id": (lambda c: c.capture("a", 6, rows(2) - 1), InvalidCaptureError),
     "capture too big": (lambda c: c.capture("new", 0, rows(40)), CacheFullError),
-    "capture_many bad second item": (lambda c: c.capture_many([("a", 6, rows(2)), ("b", 9, rows(1))]), InvalidCaptureError),
-    "capture_many not a tuple": (lambda c: c.capture_many([("a", 6, rows(2)), "b"]), InvalidCaptureError),
-    "capture_from span beyond source": (lambda c: c.capture_from(rows(3), [("a", 6, 2, 2)]), InvalidCaptureError),
-    "capture_from short span": (lambda c: c.capture_from(rows(3), [("a", 6, 0)]), InvalidCaptureError),
-    "capture_from negative count": (lambda c: c.capture_from(rows(3), [("a", 6, 0, -1)]), InvalidCaptureError),
-    "capture_from float source": (lambda c: c.capture_from(rows(3).double(), [("a", 6, 0, 1)]), InvalidCaptureError),
+    "capture_batch bad second span": (lambda c: c.capture_batch(rows(3), ["a", "b"], [6, 9], [0, 2], [2, 1]),
+                                      InvalidCaptureError),
+    "capture_batch ids as one str": (lambda c: c.capture_batch(rows(3), "a", [6], [0], [2]), InvalidCaptureError),
+    "capture_batch span beyond source": (lambda c: c.capture_batch(rows(3), ["a"], [6], [2], [2]), InvalidCaptureError),
+    "capture_batch counts missing": (lambda c: c.capture_batch(rows(3), ["a"], [6], [0], []), InvalidCaptureError),
+    "capture_batch negative count": (lambda c: c.capture_batch(rows(3), ["a"], [6], [0], [-1]), InvalidCaptureError),
+    "capture_batch float starts": (lambda c: c.capture_batch(rows(3), ["a"], [6.0], [0], [1]), InvalidCaptureError),
+    "capture_batch float source": (lambda c: c.capture_batch(rows(3).double(), ["a"], [6], [0], [1]),
+                                   InvalidCaptureError),
+    "capture_batch stale slot": (lambda c: c.capture_batch(rows(3), ["b"], [4], [0], [1], slots=[0]),
+                                 RoutedExpertsCacheError),
     # hashes and pins
     "hashes as one bytes value": (lambda c: c.add_block_hashes("a", b"a1"), InvalidCaptureError),
     "hashes with a str": (lambda c: c.add_block_hashes("a", [b"a1", "a2"]), InvalidCaptureError),
@@ -82,9 +90,12 @@ BAD_CALLS = {
     "read reversed range": (lambda c: c.read("a", 4, 2), RangeUnavailableError),
     "read negative start": (lambda c: c.read("a", -1, 2), RangeUnavailableError),
     "read float end": (lambda c: c.read("a", 0, 2.0), RoutedExpertsCacheError),
+    "read numpy end": (lambda c: c.read("a", 0, np.int64(2)), RoutedExpertsCacheError),
+    "read end past int64": (lambda c: c.read("a", 0, 2**64), RangeUnavailableError),
     "read bad id": (lambda c: c.read(b"a", 0, 1), RoutedExpertsCacheError),
-    "read_many one bad interval": (lambda c: c.read_many([("a", 0, 2), ("b", 0, 5)]), RangeUnavailableError),
-    "read_many short interval": (lambda c: c.read_many([("a", 0)]), RangeUnavailableError),
+    "read_batch one bad interval": (lambda c: c.read_batch(["a", "b"], [0, 0], [2, 5]), RangeUnavailableError),
+    "read_batch ends missing": (lambda c: c.read_batch(["a"], [0], []), RangeUnavailableError),
+    "read_batch stale slot": (lambda c: c.read_batch(["b"], [0], [1], slots=[0]), RoutedExpertsCacheError),
     "finish bad id": (lambda c: c.finish(["a"]), RoutedExpertsCacheError),
     # construction
     "zero pages": (lambda c: RoutedExpertsCache(0, 4, ROW), RoutedExpertsCacheError),

@@ -7,6 +7,7 @@ the ``backend`` fixture in conftest.py). Expected rows are always the rows the t
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 from conftest import TEST_DEVICE
@@ -50,6 +51,13 @@ def assert_unavailable(cache, request_id, start, end):
     with pytest.raises(RangeUnavailableError) as excinfo:
         cache.read(request_id, start, end)
     assert repr(request_id) in str(excinfo.value) and f"[{start}, {end})" in str(excinfo.value)
+
+
+def read_intervals(cache, intervals):
+    """Each ``(request_id, start, end)`` interval's rows, read with one ``read_batch``."""
+    ids, starts, ends = (list(column) for column in zip(*intervals))
+    packed, offsets = cache.read_batch(ids, starts, ends)
+    return [packed[offsets[i] : offsets[i + 1]] for i in range(len(intervals))]
 
 
 def assert_accounting(cache):
@@ -133,13 +141,13 @@ def test_seed_d_returned_tensors_survive_reuse_of_every_page(make_cache, gen):
     cache = make_cache(6)
     rows_a, rows_b = rand_rows(gen, 10), rand_rows(gen, 5)
     cache.capture("a", 0, rows_a[:6])
-    cache.capture_many([("a", 6, rows_a[6:]), ("b", 0, rows_b)])
+    cache.capture_batch(torch.cat([rows_a[6:], rows_b]), ["a", "b"], [6, 0], [0, 4], [4, 5])
     cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
     single_page = cache.read("a", 4, 8)
     one_row = cache.read("a", 5, 6)
     whole = cache.read("a", 0, 10)
-    many = cache.read_many([("a", 1, 9), ("b", 0, 5), ("a", 8, 10), ("b", 2, 2)])
-    packed, offsets = cache.read_packed([("b", 2, 5), ("a", 0, 3)])
+    many = read_intervals(cache, [("a", 1, 9), ("b", 0, 5), ("a", 8, 10), ("b", 2, 2)])
+    packed, offsets = cache.read_batch(["b", "a"], np.array([2, 0]), torch.tensor([5, 3]))
     pool_before = cache.pages.clone()
     cache.finish("a")
     cache.finish("b")
@@ -159,7 +167,7 @@ def test_seed_d_returned_tensors_survive_reuse_of_every_page(make_cache, gen):
     assert [t.shape[0] for t in many] == [8, 5, 2, 0]
     for got, want in zip(many, [a[1:9], b, a[8:10], b[2:2]]):
         assert_rows(got, want)
-    assert offsets == [0, 3, 6]
+    assert offsets.tolist() == [0, 3, 6]
     assert_rows(packed, torch.cat([b[2:5], a[0:3]]))
     assert_unavailable(cache, "a", 0, 1)
     assert_accounting(cache)
@@ -196,7 +204,7 @@ def test_int32_pool_keeps_negative_and_large_values(make_cache, gen):
 def test_odd_row_sizes_round_trip(make_cache, gen, row_shape):
     cache = make_cache(6, row_shape=row_shape)
     rows = rand_rows(gen, 13, row_shape=row_shape)
-    cache.capture_many([("a", 0, rows[:5]), ("b", 0, rows[5:])])
+    cache.capture_batch(rows, ["a", "b"], [0, 0], [0, 5], [5, 8])
     cache.capture("a", 5, rows[:2])
     assert_rows(cache.read("a", 0, 7), u8(torch.cat([rows[:5], rows[:2]])))
     assert_rows(cache.read("b", 3, 8), u8(rows[8:13]))
@@ -209,9 +217,9 @@ def test_results_never_alias_the_pool(make_cache, gen):
     pool = cache.pages.untyped_storage()
     pool_range = range(pool.data_ptr(), pool.data_ptr() + pool.nbytes())
     out = cache.read("a", 0, 6)
-    many = cache.read_many([("a", 0, 4), ("a", 4, 6)])
-    packed, _ = cache.read_packed([("a", 1, 5)])
-    for result in [out, packed, *many]:
+    packed, offsets = cache.read_batch(["a", "a"], [0, 4], [4, 6])
+    pieces = [packed[offsets[i] : offsets[i + 1]] for i in range(2)]
+    for result in [out, packed, *pieces]:
         assert result.untyped_storage().data_ptr() != pool.data_ptr()
         assert result.untyped_storage().data_ptr() not in pool_range
         result.add_(1)
@@ -227,54 +235,72 @@ def test_empty_reads_and_captures(make_cache, gen):
     before = cache.stats()
     empty = cache.read("a", 3, 3)
     assert empty.shape == (0, *ROW) and empty.dtype == torch.uint8
-    assert cache.read_many([]) == []
-    packed, offsets = cache.read_packed([])
-    assert packed.shape == (0, *ROW) and offsets == [0]
-    cache.capture_many([])
+    packed, offsets = cache.read_batch([], [], [])
+    assert packed.shape == (0, *ROW) and offsets.tolist() == [0]
+    packed, offsets = cache.read_batch(["a", "a"], [3, 0], [3, 0])
+    assert packed.shape == (0, *ROW) and offsets.tolist() == [0, 0, 0]
+    cache.capture_batch(rows[:0], [], [], [], [])
     cache.capture("z", 2, rand_rows(gen, 0))  # nothing to capture: not even the alignment matters
+    cache.capture_batch(rows, ["z", "a"], [2, 5], [0, 5], [0, 0])  # empty spans: no-ops, even unaligned
     assert cache.stats() == before
     assert_unavailable(cache, "z", 0, 1)
 
 
 def test_one_device_launch_per_batched_call(make_cache, gen):
+    """Many requests in one call, whether their spans take the array path (continuing rows,
+    own rows) or the per-request one (first captures, prefix reads), cost one launch."""
     cache = make_cache(8)
     calls = []
     copy = cache._copy
     cache._copy = lambda *args: (calls.append(args[-1]), copy(*args))
     rows = rand_rows(gen, 11)
-    cache.capture_many([("a", 0, rows[:5]), ("b", 0, rows[5:9]), ("c", 4, rows[9:])])
+    cache.capture_batch(rows, ["a", "b", "c"], [0, 0, 4], [0, 5, 9], [5, 4, 2])
     assert calls == [11]
-    out = cache.read_many([("a", 1, 5), ("b", 0, 4), ("c", 4, 6), ("a", 0, 2)])
-    assert calls == [11, 12]
-    assert_rows(torch.cat(out), u8(torch.cat([rows[1:5], rows[5:9], rows[9:], rows[:2]])))
+    cache.capture_batch(rows, ["a", "d"], [5, 0], [0, 5], [3, 2])  # a continues, d starts
+    assert calls == [11, 5]
+    cache.add_block_hashes("a", [h("a", 0)])
+    cache.add_block_hashes("e", [h("a", 0)])  # e reads block 0 through the index
+    packed, offsets = cache.read_batch(["a", "b", "c", "a", "e", "d"], [1, 0, 4, 0, 1, 0], [8, 4, 6, 2, 3, 2])
+    assert calls == [11, 5, 19]
+    a = torch.cat([rows[:5], rows[:3]])
+    expected = torch.cat([a[1:8], rows[5:9], rows[9:], a[:2], a[1:3], rows[5:7]])
+    assert_rows(packed, u8(expected))
+    assert offsets.tolist() == [0, 7, 11, 13, 15, 17, 19]
 
 
 # ----------------------------------------------------------------- batched capture
 
 
-BAD_SECOND_ITEMS = {
-    "wrong_shape": (lambda r: ("b", 0, torch.zeros(2, 2, 3, dtype=torch.int64)), InvalidCaptureError),
-    "float_rows": (lambda r: ("b", 0, torch.zeros(2, *ROW)), InvalidCaptureError),
-    "gap_in_same_call": (lambda r: ("a", 8, r), InvalidCaptureError),
-    "overlap_in_same_call": (lambda r: ("a", 2, r), InvalidCaptureError),
-    "gap_of_existing_request": (lambda r: ("x", 5, r), InvalidCaptureError),
-    "unaligned_new_request": (lambda r: ("b", 1, r), InvalidCaptureError),
-    "negative_start": (lambda r: ("b", -4, r), InvalidCaptureError),
-    "bad_request_id": (lambda r: (None, 0, r), RoutedExpertsCacheError),
-    "cache_full": (lambda r: ("b", 0, torch.cat([r] * 5)), CacheFullError),
+# A first span ("a", 0, source rows [0, 4)) and a bad second one: (source, second span, error).
+BAD_SECOND_SPANS = {
+    "wrong_shape": (lambda a, b: (torch.zeros(8, 2, 3, dtype=torch.int64), ("b", 0, 4, 4)), InvalidCaptureError),
+    "float_rows": (lambda a, b: (torch.zeros(8, *ROW), ("b", 0, 4, 4)), InvalidCaptureError),
+    "gap_in_same_call": (lambda a, b: (torch.cat([a, b]), ("a", 8, 4, 4)), InvalidCaptureError),
+    "overlap_in_same_call": (lambda a, b: (torch.cat([a, b]), ("a", 2, 4, 4)), InvalidCaptureError),
+    "gap_of_existing_request": (lambda a, b: (torch.cat([a, b]), ("x", 5, 4, 4)), InvalidCaptureError),
+    "unaligned_new_request": (lambda a, b: (torch.cat([a, b]), ("b", 1, 4, 4)), InvalidCaptureError),
+    "negative_start": (lambda a, b: (torch.cat([a, b]), ("b", -4, 4, 4)), InvalidCaptureError),
+    "span_beyond_source": (lambda a, b: (torch.cat([a, b]), ("b", 0, 4, 5)), InvalidCaptureError),
+    "bad_request_id": (lambda a, b: (torch.cat([a, b]), (None, 0, 4, 4)), RoutedExpertsCacheError),
+    "continuing_id_above_pool_dtype": (
+        lambda a, b: (torch.cat([a, _with_value(b, 2, 300)]), ("x", 4, 4, 4)), InvalidCaptureError,
+    ),
+    "cache_full": (lambda a, b: (torch.cat([a] + [b] * 5), ("b", 0, 4, 20)), CacheFullError),
+    "continuing_cache_full": (lambda a, b: (torch.cat([a] + [b] * 5), ("x", 4, 4, 20)), CacheFullError),
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_SECOND_ITEMS))
-def test_capture_many_validates_every_item_before_writing(make_cache, gen, case):
+@pytest.mark.parametrize("case", sorted(BAD_SECOND_SPANS))
+def test_capture_batch_validates_every_span_before_writing(make_cache, gen, case):
     cache = make_cache(6)
     rows_x = rand_rows(gen, 4)
     cache.capture("x", 0, rows_x)
     rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)
-    make_bad, error = BAD_SECOND_ITEMS[case]
+    make_bad, error = BAD_SECOND_SPANS[case]
+    source, (request_id, start, source_start, count) = make_bad(rows_a, rows_b)
     before, pool = cache.stats(), cache.pages.clone()
     with pytest.raises(error) as excinfo:
-        cache.capture_many([("a", 0, rows_a), make_bad(rows_b)])
+        cache.capture_batch(source, ["a", request_id], [0, start], [0, source_start], [4, count])
     assert type(excinfo.value) is error
     assert cache.stats() == before
     assert torch.equal(cache.pages, pool)
@@ -282,7 +308,7 @@ def test_capture_many_validates_every_item_before_writing(make_cache, gen, case)
     assert_rows(cache.read("x", 0, 4), u8(rows_x))
     assert_accounting(cache)
     # nothing moved: the same captures, done right, land where they would have
-    cache.capture_many([("a", 0, rows_a), ("x", 4, rows_b)])
+    cache.capture_batch(torch.cat([rows_a, rows_b]), ["a", "x"], [0, 4], [0, 4], [4, 4])
     assert_rows(cache.read("a", 0, 4), u8(rows_a))
     assert_rows(cache.read("x", 0, 8), u8(torch.cat([rows_x, rows_b])))
 
@@ -293,27 +319,26 @@ def test_ids_that_do_not_fit_are_refused_only_inside_captured_spans(make_cache, 
     source = rand_rows(gen, 6)
     source[2, 0, 1] = -5
     source[5, 2, 0] = 70000
-    cache.capture_from(source, [("a", 0, 0, 2), ("a", 2, 3, 2)])
+    cache.capture_batch(source, ["a", "a"], [0, 2], [0, 3], [2, 2])
     assert_rows(cache.read("a", 0, 4), u8(torch.cat([source[:2], source[3:5]])))
     with pytest.raises(InvalidCaptureError, match="position 4 .*70000"):
-        cache.capture_from(source, [("a", 4, 5, 1)])
+        cache.capture_batch(source, ["a"], [4], [5], [1])
     assert_accounting(cache)
 
 
-def test_capture_from_spans_of_one_source_with_gaps(make_cache, gen):
+def test_capture_batch_spans_of_one_source_with_gaps(make_cache, gen):
     cache = make_cache(8)
     source = rand_rows(gen, 13)
-    cache.capture_from(
-        source,
-        [
-            ("a", 0, 0, 3),
-            ("b", 0, 3, 2),
-            ("a", 3, 6, 2),  # source row 5 is a rejected speculative row
-            ("c", 4, 8, 4),
-            ("d", 1, 12, 0),  # empty span: ignored, however unaligned
-            ("b", 2, 12, 1),
-        ],
-    )
+    spans = [
+        ("a", 0, 0, 3),
+        ("b", 0, 3, 2),
+        ("a", 3, 6, 2),  # source row 5 is a rejected speculative row
+        ("c", 4, 8, 4),
+        ("d", 1, 12, 0),  # empty span: ignored, however unaligned
+        ("b", 2, 12, 1),
+    ]
+    ids, starts, source_starts, counts = (list(column) for column in zip(*spans))
+    cache.capture_batch(source, ids, starts, source_starts, counts)
     s = u8(source)
     assert_rows(cache.read("a", 0, 5), torch.cat([s[0:3], s[6:8]]))
     assert_rows(cache.read("b", 0, 3), torch.cat([s[3:5], s[12:13]]))
@@ -323,7 +348,7 @@ def test_capture_from_spans_of_one_source_with_gaps(make_cache, gen):
     assert states(cache, "free", "tail", "pending") == dict(free=4, tail=2, pending=2)
     # a later step continues from the cursors
     source2 = rand_rows(gen, 4)
-    cache.capture_from(source2, [("a", 5, 1, 3), ("c", 8, 0, 1)])
+    cache.capture_batch(source2, ["a", "c"], [5, 8], [1, 0], [3, 1])
     assert_rows(cache.read("a", 0, 8), torch.cat([s[0:3], s[6:8], u8(source2[1:4])]))
     assert_rows(cache.read("c", 4, 9), torch.cat([s[8:12], u8(source2[0:1])]))
     assert_accounting(cache)
@@ -342,7 +367,7 @@ def _populated(make_cache, gen):
     cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
     cache.capture("b", 0, rows["b"])
     cache.add_block_hashes("p", [b"never-published"])
-    cache.capture_many([("p", 4, rows["p"]), ("q", 4, rows["q"])])
+    cache.capture_batch(torch.cat([rows["p"], rows["q"]]), ["p", "q"], [4, 4], [0, 2], [2, 2])
     intervals = [("a", 0, 10), ("b", 0, 3), ("p", 4, 6), ("q", 4, 6)]
     expected = [u8(rows["a"]), u8(rows["b"]), u8(rows["p"]), u8(rows["q"])]
     return cache, intervals, expected
@@ -363,8 +388,8 @@ ERROR_CASES = {
     "read_unknown_request": (lambda c: c.read("zz", 0, 4), RangeUnavailableError, ["'zz'", "[0, 4)", "unknown"]),
     "read_unknown_int_request": (lambda c: c.read(17, 2, 3), RangeUnavailableError, ["17", "[2, 3)", "unknown"]),
     "read_beyond_cursor": (lambda c: c.read("a", 4, 11), RangeUnavailableError, ["'a'", "[4, 11)", "available: [0, 10)"]),
-    "read_many_one_bad_interval": (
-        lambda c: c.read_many([("a", 0, 4), ("b", 1, 4)]),
+    "read_batch_one_bad_interval": (
+        lambda c: c.read_batch(["a", "b"], [0, 1], [4, 4]),
         RangeUnavailableError,
         ["'b'", "[1, 4)", "available: [0, 3)"],
     ),
@@ -381,7 +406,14 @@ ERROR_CASES = {
     "read_start_after_end": (lambda c: c.read("a", 5, 3), RangeUnavailableError, ["'a'", "[5, 3)"]),
     "read_negative_start": (lambda c: c.read("a", -1, 3), RangeUnavailableError, ["'a'", "[-1, 3)"]),
     "read_float_end": (lambda c: c.read("a", 0, 2.0), RoutedExpertsCacheError, ["'a'", "end", "2.0"]),
-    "read_bad_interval_tuple": (lambda c: c.read_many([("a", 0)]), RangeUnavailableError, ["('a', 0)"]),
+    # read_batch takes numpy integers; read, like every call of one request, takes Python ints
+    "read_numpy_start": (lambda c: c.read("a", np.int64(0), 4), RoutedExpertsCacheError, ["'a'", "start", "int"]),
+    "read_end_past_int64": (
+        lambda c: c.read("a", 0, 2**64), RangeUnavailableError, ["'a'", f"[0, {2**64})", "max_position"],
+    ),
+    "read_batch_ends_shorter_than_ids": (
+        lambda c: c.read_batch(["a", "b"], [0, 0], [4]), RangeUnavailableError, ["ends", "2 integers"],
+    ),
     "capture_gap": (
         lambda c: c.capture("a", 11, _r(1)),
         InvalidCaptureError,
@@ -399,6 +431,13 @@ ERROR_CASES = {
         ["'n'", "page boundary", "page size 4", "position 2"],
     ),
     "capture_negative_start": (lambda c: c.capture("n", -4, _r(4)), InvalidCaptureError, ["'n'", "start", "-4"]),
+    "capture_numpy_start": (
+        lambda c: c.capture("a", np.int64(10), _r(1)), RoutedExpertsCacheError, ["'a'", "start must be an int"],
+    ),
+    "capture_bool_start": (lambda c: c.capture("a", True, _r(1)), RoutedExpertsCacheError, ["'a'", "True"]),
+    "capture_start_past_int64": (
+        lambda c: c.capture("a", 2**63, _r(1)), InvalidCaptureError, ["'a'", f"[{2**63}, {2**63 + 1})", "max_position"],
+    ),
     "capture_wrong_row_shape": (
         lambda c: c.capture("a", 10, torch.zeros(2, 2, 3, dtype=torch.int64)),
         InvalidCaptureError,
@@ -420,8 +459,8 @@ ERROR_CASES = {
         ["'a'", "bool"],
     ),
     "capture_not_a_tensor": (lambda c: c.capture("a", 10, [[0] * 6]), InvalidCaptureError, ["'a'", "list"]),
-    "capture_from_span_beyond_source": (
-        lambda c: c.capture_from(_r(3), [("a", 10, 2, 2)]),
+    "capture_batch_span_beyond_source": (
+        lambda c: c.capture_batch(_r(3), ["a"], [10], [2], [2]),
         InvalidCaptureError,
         ["'a'", "[2, 4)", "3 source rows"],
     ),
@@ -440,13 +479,15 @@ ERROR_CASES = {
         InvalidCaptureError,
         ["'a'", "position 11", "300"],
     ),
-    "capture_many_id_above_pool_dtype_in_second_item": (
-        lambda c: c.capture_many([("n", 0, _r(4)), ("a", 10, _with_value(_r(2), 0, 1000, torch.int32))]),
+    "capture_batch_id_above_pool_dtype_in_a_continuing_span": (
+        lambda c: c.capture_batch(
+            torch.cat([_r(4), _with_value(_r(2), 0, 1000)]).to(torch.int32), ["n", "a"], [0, 10], [0, 4], [4, 2]
+        ),
         InvalidCaptureError,
         ["'a'", "position 10", "1000"],
     ),
-    "capture_from_id_above_pool_dtype_inside_a_span": (
-        lambda c: c.capture_from(_with_value(_r(6), 4, 999), [("n", 0, 0, 2), ("a", 10, 3, 2)]),
+    "capture_batch_id_above_pool_dtype_inside_a_span": (
+        lambda c: c.capture_batch(_with_value(_r(6), 4, 999), ["n", "a"], [0, 10], [0, 3], [2, 2]),
         InvalidCaptureError,
         ["'a'", "position 11", "[10, 12)", "999"],
     ),
@@ -456,8 +497,13 @@ ERROR_CASES = {
         CacheFullError,
         ["'n'", "[0, 12)", "3 new pages", "2 free", "0 evictable"],
     ),
-    "capture_many_cache_full_across_items": (
-        lambda c: c.capture_many([("n", 0, _r(4)), ("a", 10, _r(2)), ("m", 0, _r(5))]),
+    "capture_continuing_cache_full": (
+        lambda c: c.capture("a", 10, _r(12)),
+        CacheFullError,
+        ["'a' [10, 22)", "3 new pages", "2 free", "0 evictable"],
+    ),
+    "capture_batch_cache_full_across_spans": (
+        lambda c: c.capture_batch(torch.cat([_r(4), _r(2), _r(5)]), ["n", "a", "m"], [0, 10, 0], [0, 4, 6], [4, 2, 5]),
         CacheFullError,
         ["'n' [0, 4)", "'m' [0, 5)", "'a' [10, 12)", "3 new pages"],
     ),
@@ -505,7 +551,7 @@ ERROR_CASES = {
 def test_refused_call_names_the_problem_and_changes_nothing(make_cache, gen, case):
     cache, intervals, expected = _populated(make_cache, gen)
     call, error, needles = ERROR_CASES[case]
-    for got, want in zip(cache.read_many(intervals), expected):
+    for got, want in zip(read_intervals(cache, intervals), expected):
         assert_rows(got, want)
     before_stats, before_states, before_pool = cache.stats(), cache.page_states(), cache.pages.clone()
     with pytest.raises(error) as excinfo:
@@ -517,7 +563,7 @@ def test_refused_call_names_the_problem_and_changes_nothing(make_cache, gen, cas
     assert cache.stats() == before_stats
     assert cache.page_states() == before_states
     assert torch.equal(cache.pages, before_pool)
-    for got, want in zip(cache.read_many(intervals), expected):
+    for got, want in zip(read_intervals(cache, intervals), expected):
         assert_rows(got, want)
     assert_accounting(cache)
     for request_id in ("n", "m", "new", "zz", 17):
@@ -957,7 +1003,7 @@ def test_a_source_with_a_storage_offset_is_stored_exactly_never_stale_rows(make_
     cache.finish("old")
     cache.capture("r", 0, torch.full((1, 2, 2), 1))
     source = torch.arange(1, 18, dtype=torch.uint8)[1:].view(4, 2, 2)  # storage offset 1
-    cache.capture_from(source, [("r", 1, 0, 1)])
+    cache.capture_batch(source, ["r"], [1], [0], [1])
     assert_rows(cache.read("r", 0, 2), torch.stack([torch.full((2, 2), 1, dtype=torch.uint8), source[0]]))
 
 
@@ -967,7 +1013,9 @@ def test_a_failed_conversion_is_typed_and_changes_nothing(make_cache):
     cache.add_block_hashes("r", [b"r0"])
     before = cache.stats(), cache.page_states(), cache.pages.clone()
     for call in (
-        lambda: cache.capture_from(torch.ones(4, 2, 2, dtype=torch.int64).as_subclass(UnconvertibleRows), [("r", 1, 0, 3)]),
+        lambda: cache.capture_batch(
+            torch.ones(4, 2, 2, dtype=torch.int64).as_subclass(UnconvertibleRows), ["r"], [1], [0], [3]
+        ),
         lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64).as_subclass(UnconvertibleRows)),
         lambda: cache.capture("r", 1, torch.ones(3, 2, 2, dtype=torch.int64, device="meta")),
     ):
@@ -1023,17 +1071,15 @@ def test_malformed_arguments_raise_typed_errors(make_cache):
     with pytest.raises(RoutedExpertsCacheError, match="start must be an int"):
         cache.capture("r", 0.0, out_of_range)  # the position is checked before the ids
     for call in (
-        lambda: cache.capture_many(None),
-        lambda: cache.capture_from(torch.zeros(1, 2, 2, dtype=torch.uint8), None),
+        lambda: cache.capture_batch(torch.zeros(1, 2, 2, dtype=torch.uint8), None, [], [], []),
         lambda: cache.add_block_hashes("r", None),
         lambda: cache.retain(None),
         lambda: cache.release(None),
     ):
         with pytest.raises(InvalidCaptureError, match="must be a sequence"):
             call()
-    for call in (lambda: cache.read_many(None), lambda: cache.read_packed(None)):
-        with pytest.raises(RangeUnavailableError, match="must be a sequence"):
-            call()
+    with pytest.raises(RangeUnavailableError, match="must be a sequence"):
+        cache.read_batch(None, [], [])
 
 
 def test_rewind_drops_rows_computed_on_failed_kv_and_recaptures_them(make_cache, gen):
@@ -1061,8 +1107,9 @@ def test_rewind_drops_rows_computed_on_failed_kv_and_recaptures_them(make_cache,
 
 
 def test_batched_calls_match_the_per_request_calls_and_refuse_a_stale_slot(make_cache, gen):
-    """capture_batch / read_batch give what capture_from / read_packed give; a slot kept past
-    its request's finish (and reused by another request) is refused, never read through."""
+    """capture_batch / read_batch over two requests give the rows captured and what capture /
+    read give one request at a time; a slot kept past its request's finish (and reused by
+    another request) is refused, never read through."""
     batched, plain = make_cache(8, page_size=4), make_cache(8, page_size=4)
     source = rand_rows(gen, 12)
     for cache in (batched, plain):
@@ -1072,11 +1119,13 @@ def test_batched_calls_match_the_per_request_calls_and_refuse_a_stale_slot(make_
         cache.add_block_hashes("p", [h("p", 0)])
     slots = batched.slots(["a", "b"])
     batched.capture_batch(source, ["a", "b"], [3, 4], [3, 6], [6, 5], slots=slots)
-    plain.capture_from(source, [("a", 3, 3, 6), ("b", 4, 6, 5)])
+    plain.capture("a", 3, source[3:9])
+    plain.capture("b", 4, source[6:11])
     packed, offsets = batched.read_batch(["b", "a"], [0, 1], [9, 9], slots=slots[::-1])
-    expected, expected_offsets = plain.read_packed([("b", 0, 9), ("a", 1, 9)])
-    assert_rows(packed, expected)
-    assert offsets.tolist() == expected_offsets
+    assert_rows(packed, u8(torch.cat([source[:4], source[6:11], source[1:9]])))
+    assert_rows(packed, torch.cat([plain.read("b", 0, 9), plain.read("a", 1, 9)]))
+    assert offsets.tolist() == [0, 9, 17]
+    assert batched.stats() == plain.stats()
     before = batched.stats()
     batched.capture_batch(source[:0], [], [], [], [])  # empty batches, plain lists: a no-op
     packed, offsets = batched.read_batch([], [], [])
@@ -1165,7 +1214,7 @@ def test_long_requests_and_many_requests_grow_the_slot_arrays(make_cache, gen):
     cache = make_cache(800, page_size=1)
     rows = rand_rows(gen, 40)
     ids = [f"r{i}" for i in range(20)]
-    cache.capture_from(torch.cat([rows[:5]] * 20), [(r, 0, 5 * i, 5) for i, r in enumerate(ids)])
+    cache.capture_batch(torch.cat([rows[:5]] * 20), ids, [0] * 20, range(0, 100, 5), [5] * 20)
     for start in range(5, 40, 5):  # continuing spans: 40 blocks per request by the end
         cache.capture_batch(torch.cat([rows[start : start + 5]] * 20), ids, [start] * 20, range(0, 100, 5), [5] * 20)
     packed, offsets = cache.read_batch(ids, [0] * 20, [40] * 20)
@@ -1179,9 +1228,9 @@ def test_a_continuing_batch_that_needs_more_pages_than_exist_is_refused_whole(ma
     refused with the continuing requests named, and nothing of it is applied."""
     cache = make_cache(4, page_size=2)
     source = rand_rows(gen, 8)
-    cache.capture_from(source, [("a", 0, 0, 1), ("b", 0, 1, 1), ("c", 0, 2, 1)])  # 3 pages, 1 free
+    cache.capture_batch(source, ["a", "b", "c"], [0, 0, 0], [0, 1, 2], [1, 1, 1])  # 3 pages, 1 free
     before = cache.stats(), cache.page_states(), cache.pages.clone()
-    with pytest.raises(CacheFullError, match=r"3 continuing requests \(3 pages\)"):
+    with pytest.raises(CacheFullError, match=r"'a' \[1, 3\), 'b' \[1, 3\), 'c' \[1, 3\) needs 3 new pages"):
         cache.capture_batch(source, ["a", "b", "c"], [1, 1, 1], [3, 4, 5], [2, 2, 2])
     assert (cache.stats(), cache.page_states()) == before[:2] and torch.equal(cache.pages, before[2])
     cache.capture_batch(source, ["a", "b", "c"], [1, 1, 1], [3, 4, 5], [1, 1, 1])  # fills their pages: fits

@@ -3,10 +3,12 @@ refused ones raise the project's typed error and change nothing.
 
 - Rows of every integer dtype (int8 ... int64, uint8 ... uint64) with values at the limits of
   their dtype and of each pool dtype (one past them too), laid out contiguous, with a
-  storage offset, strided, transposed or expanded, through ``capture``, ``capture_many`` and
-  ``capture_from``; rows on the ``meta`` device, of non-integer dtypes, and rows whose
-  conversion to the pool fails (a simulated device out-of-memory).
-- A wrong Python value in every argument position of every public call.
+  storage offset, strided, transposed or expanded, through ``capture`` and ``capture_batch``
+  (continuing spans, first captures, and two spans of the same source rows); rows on the
+  ``meta`` device, of non-integer dtypes, and rows whose conversion to the pool fails (a
+  simulated device out-of-memory).
+- A wrong Python value in every argument position of every public call, the batched calls'
+  index arrays (positions and slots) included.
 
 Accepted: the rows read back exactly (compared as integers) and every other row is unchanged.
 Refused: a ``RoutedExpertsCacheError`` (the documented subclass where there is one), and
@@ -147,19 +149,18 @@ def check_one_capture(backend, data):
     cache = populated(backend, pool_dtype)
     source, flat, fits = data.draw(row_sources(pool_dtype), label="source")
     n = source.shape[0]
-    apis = ["capture", "capture_new", "capture_many", "capture_from", "capture_batch"]
-    api = data.draw(st.sampled_from(apis), label="api")
+    # api -> (the call, the request and start it captures, a second one given the same rows)
+    apis = {
+        "capture": (lambda: cache.capture("a", 6, source), "a", 6, None),
+        "capture_new": (lambda: cache.capture("c", 0, source), "c", 0, None),
+        "capture_batch": (lambda: cache.capture_batch(source, ["a"], [6], [0], [n]), "a", 6, None),
+        # two continuing spans of the same source rows
+        "capture_batch_two": (lambda: cache.capture_batch(source, ["b", "a"], [3, 6], [0, 0], [n, n]), "a", 6, ("b", 3)),
+        # a first capture (the per-request path) next to a continuing span (the array path)
+        "capture_batch_new": (lambda: cache.capture_batch(source, ["c", "a"], [0, 6], [0, 0], [n, n]), "a", 6, ("c", 0)),
+    }
+    call, request_id, start, also = apis[data.draw(st.sampled_from(sorted(apis)), label="api")]
     before = observe(cache)
-    if api == "capture":
-        call, request_id, start = (lambda: cache.capture("a", 6, source)), "a", 6
-    elif api == "capture_new":
-        call, request_id, start = (lambda: cache.capture("c", 0, source)), "c", 0
-    elif api == "capture_many":
-        call, request_id, start = (lambda: cache.capture_many([("b", 3, source), ("a", 6, source)])), "a", 6
-    elif api == "capture_from":
-        call, request_id, start = (lambda: cache.capture_from(source, [("a", 6, 0, n)])), "a", 6
-    else:
-        call, request_id, start = (lambda: cache.capture_batch(source, ["a"], [6], [0], [n])), "a", 6
     if not fits:
         with pytest.raises(InvalidCaptureError):
             call()
@@ -170,8 +171,8 @@ def check_one_capture(backend, data):
     cache.check_consistency()
     want = torch.tensor(flat, dtype=torch.int64).reshape(n, *ROW)
     assert torch.equal(cache.read(request_id, start, start + n).cpu().to(torch.int64), want)
-    if api == "capture_many":
-        assert torch.equal(cache.read("b", 3, 3 + n).cpu().to(torch.int64), want)
+    if also is not None:
+        assert torch.equal(cache.read(also[0], also[1], also[1] + n).cpu().to(torch.int64), want)
     _, _, _, reads = before
     assert torch.equal(cache.read("a", 0, 6).cpu(), reads[0])
     assert torch.equal(cache.read("b", 0, 3).cpu(), reads[1])
@@ -204,6 +205,10 @@ def valid(kind: str, value) -> bool:
         return is_integer and type(value) is not bool and 0 <= int(value) <= MAX_POSITION
     if kind == "sequence":  # an empty collection is a valid "nothing to do"
         return isinstance(value, (list, tuple, dict)) and not value
+    if kind == "array":  # a batched call's index array for one request
+        return isinstance(value, (list, tuple)) and len(value) == 1 and valid("element", value[0])
+    if kind == "slots":  # None: look the slots up
+        return value is None or valid("array", value)
     return False
 
 
@@ -211,17 +216,6 @@ ROWS2 = torch.arange(12).reshape(2, *ROW)
 # call name -> (function of the argument list, the valid arguments, their kinds, the error type)
 CALLS = {
     "capture": (lambda c, a: c.capture(*a), ("a", 6, ROWS2), ("id", "position", "rows"), RoutedExpertsCacheError),
-    "capture_many items": (lambda c, a: c.capture_many(a[0]), ([("a", 6, ROWS2)],), ("sequence",), InvalidCaptureError),
-    "capture_many item": (lambda c, a: c.capture_many([("b", 3, ROWS2), a[0]]), (("a", 6, ROWS2),), ("item",),
-                          InvalidCaptureError),
-    "capture_many fields": (lambda c, a: c.capture_many([("b", 3, ROWS2), tuple(a)]), ("a", 6, ROWS2),
-                            ("id", "position", "rows"), RoutedExpertsCacheError),
-    "capture_from source": (lambda c, a: c.capture_from(a[0], [("a", 6, 0, 2)]), (ROWS2,), ("rows",),
-                            InvalidCaptureError),
-    "capture_from spans": (lambda c, a: c.capture_from(ROWS2, a[0]), ([("a", 6, 0, 2)],), ("sequence",),
-                           InvalidCaptureError),
-    "capture_from span": (lambda c, a: c.capture_from(ROWS2, [tuple(a)]), ("a", 6, 0, 2),
-                          ("id", "position", "position", "position"), RoutedExpertsCacheError),
     "add_block_hashes": (lambda c, a: c.add_block_hashes(a[0], [a[1]]), ("a", b"a1"), ("id", "hash"),
                          RoutedExpertsCacheError),
     "add_block_hashes sequence": (lambda c, a: c.add_block_hashes("a", a[0]), ([b"a1"],), ("sequence",),
@@ -233,18 +227,22 @@ CALLS = {
     "release": (lambda c, a: c.release([a[0]]), (b"a0",), ("hash",), InvalidCaptureError),
     "release sequence": (lambda c, a: c.release(a[0]), ([],), ("sequence",), InvalidCaptureError),
     "read": (lambda c, a: c.read(*a), ("a", 0, 6), ("id", "position", "position"), RoutedExpertsCacheError),
-    "read_many intervals": (lambda c, a: c.read_many(a[0]), ([("a", 0, 6)],), ("sequence",), RangeUnavailableError),
-    "read_packed interval": (lambda c, a: c.read_packed([("b", 0, 3), a[0]]), (("a", 0, 6),), ("item",),
-                             RangeUnavailableError),
     "capture_batch source": (lambda c, a: c.capture_batch(a[0], ["a"], [6], [0], [2]), (ROWS2,), ("rows",),
                              InvalidCaptureError),
     "capture_batch ids": (lambda c, a: c.capture_batch(ROWS2, a[0], [6], [0], [2]), (["a"],), ("sequence",),
                           RoutedExpertsCacheError),
     "capture_batch span": (lambda c, a: c.capture_batch(ROWS2, [a[0]], [a[1]], [a[2]], [a[3]]), ("a", 6, 0, 2),
                            ("id", "element", "element", "element"), RoutedExpertsCacheError),
+    "capture_batch arrays": (lambda c, a: c.capture_batch(ROWS2, ["a"], *a), ([6], [0], [2]), ("array",) * 3,
+                             InvalidCaptureError),
+    "capture_batch slots": (lambda c, a: c.capture_batch(ROWS2, ["a"], [6], [0], [2], slots=a[0]), ([0],),
+                            ("slots",), RoutedExpertsCacheError),
     "read_batch ids": (lambda c, a: c.read_batch(a[0], [0], [6]), (["a"],), ("sequence",), RangeUnavailableError),
     "read_batch interval": (lambda c, a: c.read_batch([a[0]], [a[1]], [a[2]]), ("a", 0, 6), ("id", "element", "element"),
                             RoutedExpertsCacheError),
+    "read_batch arrays": (lambda c, a: c.read_batch(["a"], *a), ([0], [6]), ("array",) * 2, RangeUnavailableError),
+    "read_batch slots": (lambda c, a: c.read_batch(["a"], [0], [6], slots=a[0]), ([0],), ("slots",),
+                         RoutedExpertsCacheError),
     "slots": (lambda c, a: c.slots([a[0]]), ("a",), ("id",), RoutedExpertsCacheError),
     "finish": (lambda c, a: c.finish(a[0]), ("a",), ("id",), RoutedExpertsCacheError),
     "rewind": (lambda c, a: c.rewind(*a), ("a", 2), ("id", "position"), RoutedExpertsCacheError),
@@ -275,14 +273,12 @@ def test_a_wrong_value_in_any_argument_is_refused_without_change(backend, call_n
 POSITION_CALLS = {  # every call that takes a position, with one bad position in each place
     "capture": lambda c, p: c.capture("n", p, ROWS2),
     "capture continuing": lambda c, p: c.capture("b", p, ROWS2),
-    "capture_many": lambda c, p: c.capture_many([("n", 0, ROWS2), ("m", p, ROWS2)]),
-    "capture_from": lambda c, p: c.capture_from(ROWS2, [("n", p, 0, 2)]),
     "capture_batch start": lambda c, p: c.capture_batch(ROWS2, ["b", "n"], [3, p], [0, 0], [1, 1]),
     "capture_batch continuing": lambda c, p: c.capture_batch(ROWS2, ["a", "b"], [6, p], [0, 1], [1, 1]),
     "read end": lambda c, p: c.read("a", 0, p),
     "read start": lambda c, p: c.read("a", p, p + 1),
-    "read_packed": lambda c, p: c.read_packed([("b", 0, 3), ("a", 4, p)]),
     "read_batch": lambda c, p: c.read_batch(["b", "a"], [0, 0], [3, p]),
+    "read_batch start": lambda c, p: c.read_batch(["b", "a"], [0, p], [3, p + 1]),
     "rewind": lambda c, p: c.rewind("a", p),
 }
 

@@ -476,7 +476,8 @@ class CacheMachine(RuleBasedStateMachine):
         return items
 
     def _apply_captures(self, data, items):
-        """Run the captures through one of the three APIs; model and cache must agree."""
+        """Run the captures through ``capture_batch`` (or ``capture`` for one request); model
+        and cache must agree."""
         sim_cursor = {}
         need = 0
         for r, start, n in items:
@@ -493,7 +494,7 @@ class CacheMachine(RuleBasedStateMachine):
         releasing = sum(1 for h, k in drops.items() if h in self.index and self.pins[h] == k)
         full = need > self._free() + len(self.evictable) + releasing
 
-        apis = ["capture_many", "capture_from", "capture_batch"] + (["capture"] if len(items) == 1 else [])
+        apis = ["capture_batch"] + (["capture"] if len(items) == 1 else [])
         api = data.draw(st.sampled_from(apis), label="api")
         row_dtype = data.draw(st.sampled_from([torch.int64, self.dtype]), label="row_dtype")
         chunks = [r.rows[start : start + n].to(row_dtype, copy=True) for r, start, n in items]
@@ -505,9 +506,7 @@ class CacheMachine(RuleBasedStateMachine):
             if api == "capture":
                 (r, start, _), = items
                 self.cache.capture(r.rid, start, chunks[0])
-            elif api == "capture_many":
-                self.cache.capture_many([(r.rid, start, c) for (r, start, _), c in zip(items, chunks)])
-            else:  # capture_from or capture_batch: one source tensor, spans into it
+            else:  # one source tensor, spans into it
                 parts, spans, offset = [], [], 0
                 for (r, start, n), c in zip(items, chunks):
                     pad = data.draw(st.integers(0, 2), label="pad")  # rejected drafts between spans
@@ -517,15 +516,12 @@ class CacheMachine(RuleBasedStateMachine):
                     offset += pad + n
                 if batch_slots is None and data.draw(st.booleans(), label="zero_span"):  # a no-op span
                     spans.insert(data.draw(st.integers(0, len(spans)), label="zero_at"), (GHOST_ID, 1, 0, 0))
-                if api == "capture_from":
-                    self.cache.capture_from(torch.cat(parts), spans)
-                else:
-                    ids, starts, source_starts, counts = zip(*spans)
-                    as_array = data.draw(st.sampled_from([np.array, torch.tensor, list]), label="arrays")
-                    self.cache.capture_batch(
-                        torch.cat(parts), list(ids), as_array(starts), as_array(source_starts), as_array(counts),
-                        slots=batch_slots,
-                    )
+                ids, starts, source_starts, counts = zip(*spans)
+                as_array = data.draw(st.sampled_from([np.array, torch.tensor, list]), label="arrays")
+                self.cache.capture_batch(
+                    torch.cat(parts), list(ids), as_array(starts), as_array(source_starts), as_array(counts),
+                    slots=batch_slots,
+                )
         except CacheFullError:
             assert full, f"CacheFullError; the model has {self._free()} free + {len(self.evictable)} for {need}"
             self._assert_unchanged(snapshot)
@@ -709,24 +705,13 @@ class CacheMachine(RuleBasedStateMachine):
         self._count("steps")
         n = data.draw(st.integers(1, 4), label="n")
         intervals = [self._draw_interval(data) for _ in range(n)]
-        api = data.draw(st.sampled_from(["read_packed", "read_many", "read_batch"]), label="read_api")
-        if api == "read_batch":
-            ids, starts, ends = (list(column) for column in zip(*intervals))
-            result = self._read_call(lambda: self.cache.read_batch(ids, np.array(starts), np.array(ends)), intervals)
-            if not isinstance(result, RangeUnavailableError):
-                packed, offsets = result
-                assert offsets.tolist() == [0] + list(torch.tensor([e - s for _, s, e in intervals]).cumsum(0).tolist())
-                self._check_reads(intervals, [packed[offsets[i] : offsets[i + 1]] for i in range(n)])
-        elif api == "read_packed":
-            result = self._read_call(lambda: self.cache.read_packed(intervals), intervals)
-            if not isinstance(result, RangeUnavailableError):
-                packed, offsets = result
-                assert offsets == [0] + list(torch.tensor([e - s for _, s, e in intervals]).cumsum(0).tolist())
-                self._check_reads(intervals, [packed[offsets[i] : offsets[i + 1]] for i in range(n)])
-        else:
-            result = self._read_call(lambda: self.cache.read_many(intervals), intervals)
-            if not isinstance(result, RangeUnavailableError):
-                self._check_reads(intervals, result)
+        ids, starts, ends = (list(column) for column in zip(*intervals))
+        as_array = data.draw(st.sampled_from([np.array, torch.tensor, list]), label="arrays")
+        result = self._read_call(lambda: self.cache.read_batch(ids, as_array(starts), as_array(ends)), intervals)
+        if not isinstance(result, RangeUnavailableError):
+            packed, offsets = result
+            assert offsets.tolist() == [0] + list(torch.tensor([e - s for _, s, e in intervals]).cumsum(0).tolist())
+            self._check_reads(intervals, [packed[offsets[i] : offsets[i + 1]] for i in range(n)])
 
     @precondition(lambda self: self.cache is not None and any(r.first_block is not None for r in self.live.values()))
     @rule(data=st.data())
@@ -866,11 +851,12 @@ class CacheMachine(RuleBasedStateMachine):
             expected.append(torch.cat([self.hash_rows[h] for h in probe]))
         if not intervals:
             return
+        ids, starts, ends = (list(column) for column in zip(*intervals))
         try:
-            packed, offsets = self.cache.read_packed(intervals)
+            packed, offsets = self.cache.read_batch(ids, starts, ends)
         finally:
             self.cache.finish(PROBE_ID)
-        self.counters["read_rows"] += offsets[-1]
+        self.counters["read_rows"] += int(offsets[-1])
         for i, ((rid, start, end), want) in enumerate(zip(intervals, expected)):
             assert torch.equal(packed[offsets[i] : offsets[i + 1]].cpu(), want), f"{rid!r} [{start}, {end}) differs"
 
