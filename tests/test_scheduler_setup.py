@@ -89,7 +89,7 @@ def test_vllm_034_profile_run_calls_the_factory_then_storage_comes_with_the_kv_l
     # A real step before the storage exists is refused, naming what happened; nothing changes.
     with pytest.raises(ConnectorStateError, match=r"before initialize_output_storage"):
         connector.begin_step(step_metadata({"a": 0}))
-    assert connector.stats() == {"reattachments": 0, "rollbacks": 0, "requests_tracked": 0}
+    assert connector.stats() == {"reattachments": 0, "rollbacks": 0, "returned_rows": 0, "requests_tracked": 0}
     connector.initialize_output_storage(setup.kv_cache_config)
     assert connector.cache is not None and connector.cache.stats()["requests"] == 0
     connector.begin_step(step_metadata({"a": 0}))

@@ -6,9 +6,10 @@ Drop-in for ``vllm.distributed.aux_output_connector.worker.AuxOutputWorkerConnec
 the same output contract (``{request_id: AuxRequestOutput(token_start, rows)}``, rows an owned
 numpy array). What differs between those releases is in ``versions``.
 
-Per output step: the step's snapshot stays on the device; its accepted rows enter the pool
-with one scatter; every emitted interval (this step's rows, or earlier rows after a prefix
-hit, chunked prefill or resume) comes back with one gather and one device-to-host copy.
+Per output step: the step's accepted rows enter the pool with one scatter, and the client
+gets them from the snapshot with one device-to-host copy (the copy vLLM's own connector
+makes); rows it has not received from before (a prefix hit's, rows recomputed after a
+roll-back) come from the pool with one gather.
 Pending blocks (full, hash not known yet, as under 0.33's lookahead hashing) are ordinary
 blocks of the request's block map, so a read across them never fails.
 """
@@ -132,6 +133,7 @@ class CacheWorkerConnector:
         self._side_stream = SideStream(cache.device) if cache is not None and cache.device.type == "cuda" else None
         self._reattachments = 0
         self._rollbacks = 0
+        self._returned_rows = 0  # rows handed to vLLM: this step's from the snapshot, earlier ones from the pool
         self._stats_log_interval = stats_log_interval
         self._stats_logged_at = time.monotonic()
         self._stats_last: dict[str, int] = {}
@@ -189,12 +191,13 @@ class CacheWorkerConnector:
 
     def stats(self) -> dict[str, int]:
         """The cache's page counts and counters, plus the requests re-attached after rejected
-        drafts (async scheduling) and rolled back after failed KV loads."""
+        drafts (async scheduling) and rolled back after failed KV loads, and the rows returned
+        (``read_rows`` of those came from the pool, the rest from the step snapshots)."""
         with self._lock:
             cache_stats = self._cache.stats() if self._cache is not None else {}
             return {
                 **cache_stats, "reattachments": self._reattachments, "rollbacks": self._rollbacks,
-                "requests_tracked": len(self._slot_of),
+                "returned_rows": self._returned_rows, "requests_tracked": len(self._slot_of),
             }
 
     # ---------------------------------------------------------- model thread
@@ -355,17 +358,22 @@ class CacheWorkerConnector:
         """One line in vLLM's log style: pool use by page state, and counters since the last line."""
         if self._cache is None:
             return
-        now = {**self._cache.stats(), "rollbacks": self._rollbacks, "reattachments": self._reattachments}
+        now = {
+            **self._cache.stats(), "rollbacks": self._rollbacks, "reattachments": self._reattachments,
+            "returned_rows": self._returned_rows,
+        }
         since = {key: now[key] - self._stats_last.get(key, 0) for key in (
-            "prefix_hit_rows", "captured_rows", "read_rows", "evictions", "rollbacks", "reattachments")}
+            "prefix_hit_rows", "captured_rows", "returned_rows", "read_rows", "evictions", "rollbacks", "reattachments")}
         in_use = now["num_pages"] - now["free"]
         logger.info(
             "routed-experts-cache: pool %.1f%% in use (%d of %d pages: %d tail, %d pending, %d duplicate, "
             "%d published of which %d evictable); %d requests; since the last line: %d rows captured, "
-            "%d read, %d prefix-hit rows, %d evictions, %d roll-backs, %d re-attachments",
+            "%d returned (%d of them read from the pool), %d prefix-hit rows, %d evictions, %d roll-backs, "
+            "%d re-attachments",
             100.0 * in_use / now["num_pages"], in_use, now["num_pages"], now["tail"], now["pending"],
             now["duplicate"], now["published"], now["evictable"], len(self._slot_of), since["captured_rows"],
-            since["read_rows"], since["prefix_hit_rows"], since["evictions"], since["rollbacks"], since["reattachments"],
+            since["returned_rows"], since["read_rows"], since["prefix_hit_rows"], since["evictions"], since["rollbacks"],
+            since["reattachments"],
         )
         self._stats_last = now
         self._stats_logged_at = time.monotonic()
@@ -413,19 +421,35 @@ class CacheWorkerConnector:
         self._cache.capture_batch(pending.snapshot, request_ids, capture_starts, row_starts, counts, slots=slots)
         self._capture_cursor[slots] = token_ends
         self._scheduled_cursor[slots] = token_starts + num_rows
-        self._emit_cursor[slots] = emit_starts  # lower only after a roll-back
         self._reattachments += int(reattach.sum())
         emitting = (sampled > 0) & (emit_starts <= token_ends)
-        if not emitting.all():
-            pick = np.flatnonzero(emitting)
-            request_ids, slots = [request_ids[i] for i in pick.tolist()], slots[pick]
-            emit_starts, token_ends = emit_starts[pick], token_ends[pick]
-        packed, offsets = self._cache.read_batch(request_ids, emit_starts, token_ends, slots=slots)
-        host_rows = packed.cpu().numpy()
-        self._emit_cursor[slots] = token_ends
-        bounds = offsets.tolist()
-        return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), map(host_rows.__getitem__, map(
-            slice, bounds[:-1], bounds[1:])))))
+        self._emit_cursor[slots] = np.where(emitting, token_ends, emit_starts)  # lower only after a roll-back
+        pick = np.flatnonzero(emitting)
+        if len(pick) < n:
+            request_ids = [request_ids[i] for i in pick.tolist()]
+        return self._emitted_rows(
+            pending, request_ids, slots[pick], emit_starts[pick], capture_starts[pick], row_starts[pick], counts[pick]
+        )
+
+    def _emitted_rows(self, pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts):
+        """Rows ``[emit_start, capture_start + count)`` per request: what this step captured comes
+        straight from the step's snapshot (one device-to-host copy, the rows the pool now holds);
+        what the client has not received from before (a prefix hit's rows, rows recomputed
+        after a roll-back) is gathered from the pool."""
+        host = pending.snapshot.to(self._cache.dtype).cpu().numpy()
+        firsts = np.maximum(emit_starts, capture_starts)  # first emitted position of this step's rows
+        rows = list(map(host.__getitem__, map(
+            slice, (row_starts + firsts - capture_starts).tolist(), (row_starts + counts).tolist())))
+        earlier = np.flatnonzero(emit_starts < firsts)
+        if len(earlier):
+            packed, offsets = self._cache.read_batch(
+                [request_ids[i] for i in earlier.tolist()], emit_starts[earlier], firsts[earlier], slots=slots[earlier]
+            )
+            packed, bounds = packed.cpu().numpy(), offsets.tolist()
+            for j, i in enumerate(earlier.tolist()):
+                rows[i] = np.concatenate([packed[bounds[j] : bounds[j + 1]], rows[i]])
+        self._returned_rows += int(counts.sum() + (capture_starts - emit_starts).sum())
+        return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), rows)))
 
     def _teardown(self, request_id: str) -> None:
         del self._slot_of[request_id]
