@@ -173,7 +173,7 @@ class RoutedExpertsCache:
         """
         request_ids = as_list(request_ids, "request ids", RoutedExpertsCacheError)
         slots = self._slots.lookup(request_ids)
-        for i in np.flatnonzero(slots < 0).tolist():
+        for i in (slots < 0).nonzero()[0].tolist():
             if request_ids[i] not in self._slots.of:  # an id listed twice is registered once
                 self._register(request_ids[i], _Request())
             slots[i] = self._slots.of[request_ids[i]]
@@ -208,16 +208,16 @@ class RoutedExpertsCache:
         if continuing.any():
             listed = np.bincount(slots[active & known], minlength=len(self._slots.requests))
             continuing &= listed[slots] == 1
-        others = np.flatnonzero(~continuing & (active | ~valid)).tolist()
+        others = (~continuing & (active | ~valid)).nonzero()[0].tolist()
         spans = [(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in others]
         plans, num_new_pages = self._plan_captures(source.shape[0], spans)
         if not fits_dtype(source.dtype, self.dtype):
             check_row_values(source, [
-                (request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in np.flatnonzero(active).tolist()
+                (request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in active.nonzero()[0].tolist()
             ], self.dtype)
         batch = None
         if continuing.any():
-            pick = np.flatnonzero(continuing)
+            pick = continuing.nonzero()[0]
             starts, ends = starts[pick], ends[pick]
             new_pages = -(-ends // size) + (-starts // size)  # blocks begun past the cursor
             batch = (slots[pick], starts, source_starts[pick], counts[pick], new_pages)
@@ -582,12 +582,12 @@ class RoutedExpertsCache:
         own &= ends <= self._slots.cursor[slots]
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
-        pick = np.flatnonzero(own)
+        pick = own.nonzero()[0]
         span, block, first, end = self._page_runs(starts[pick], ends[pick])
         pages = self._slots.table[slots[pick][span], block - first_block[pick][span]]
         source_rows, target_rows = [pages * size + first - block * size], [offsets[pick][span] + first - starts[pick][span]]
         lengths = [end - first]
-        others = np.flatnonzero(~own).tolist()
+        others = (~own).nonzero()[0].tolist()
         if others:  # one Python walk per interval: segments land at their packed offsets directly
             seg_source_row, seg_target_row, seg_end = [], [], []
             for i in others:

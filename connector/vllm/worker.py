@@ -231,7 +231,7 @@ class CacheWorkerConnector:
                 self._generation = metadata.generation
             else:
                 self._apply_pins(metadata)
-            new = np.flatnonzero(slots < 0)
+            new = (slots < 0).nonzero()[0]
             if len(new):
                 self._track([request_ids[i] for i in new.tolist()], emit_starts[new])
             if hashed_ids:
@@ -240,7 +240,7 @@ class CacheWorkerConnector:
             if finished:
                 finished_slots = self._slots(finished)
                 self._finished[finished_slots] = True
-                for i in np.flatnonzero(self._pending[finished_slots] == 0).tolist():
+                for i in (self._pending[finished_slots] == 0).nonzero()[0].tolist():
                     self._teardown(finished[i])
 
     def _check_metadata(
@@ -264,14 +264,14 @@ class CacheWorkerConnector:
         known = {} if new_generation else self._slot_of
         all_slots = self._slots(request_ids) if known else np.full(len(request_ids), -1, dtype=np.int64)
         if known:
-            tracked = np.flatnonzero(all_slots >= 0)
+            tracked = (all_slots >= 0).nonzero()[0]
             slots = all_slots[tracked]
-            again = np.flatnonzero(self._finished[slots])
+            again = self._finished[slots].nonzero()[0]
             if len(again):
                 raise ConnectorStateError(
                     f"request {request_ids[tracked[again[0]]]!r} was scheduled again before its teardown completed"
                 )
-            ahead = np.flatnonzero((self._pending[slots] == 0) & (emit_starts[tracked] > self._emit_cursor[slots]))
+            ahead = ((self._pending[slots] == 0) & (emit_starts[tracked] > self._emit_cursor[slots])).nonzero()[0]
             if len(ahead):
                 i = tracked[ahead[0]]
                 raise ConnectorStateError(
@@ -323,7 +323,7 @@ class CacheWorkerConnector:
                     f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
                 )
             if (slots < 0).any():
-                unknown = [request_ids[i] for i in np.flatnonzero(slots < 0).tolist()]
+                unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
                 raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
             if len(slots) > 1 and np.bincount(slots).max() > 1:
                 raise ConnectorStateError(f"step lists a request twice: {request_ids}")
@@ -351,7 +351,7 @@ class CacheWorkerConnector:
                     self._pending_outputs.remove(pending)
                     slots = pending.slots
                     self._pending[slots] -= 1
-                    for i in np.flatnonzero(self._finished[slots] & (self._pending[slots] == 0)).tolist():
+                    for i in (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist():
                         self._teardown(pending.request_ids[i])
 
     def _log_stats(self) -> None:
@@ -388,7 +388,7 @@ class CacheWorkerConnector:
         sampled, rejected = (np.asarray(counts, dtype=np.int64)[:n] for counts in (pending.num_sampled, pending.num_rejected))
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
-        invalid = np.flatnonzero((num_rows <= 0) | (rejected < 0) | (rejected > num_rows))
+        invalid = ((num_rows <= 0) | (rejected < 0) | (rejected > num_rows)).nonzero()[0]
         if len(invalid):
             i = invalid[0]
             raise ConnectorStateError(
@@ -399,7 +399,7 @@ class CacheWorkerConnector:
         # Async scheduling assumed every draft was accepted: re-attach at the cursor, which
         # must lie inside what the scheduler ran.
         reattach = token_starts > cursor
-        unscheduled = np.flatnonzero(reattach & (cursor >= self._scheduled_cursor[slots]))
+        unscheduled = (reattach & (cursor >= self._scheduled_cursor[slots])).nonzero()[0]
         if len(unscheduled):
             i = unscheduled[0]
             raise ConnectorStateError(
@@ -410,7 +410,7 @@ class CacheWorkerConnector:
         # vLLM rolled a request back (KV blocks failed to load; recompute policy) and dropped
         # that step's output: rows from there on came from the failed KV. Recapture them, and
         # emit again from where the scheduler now starts.
-        rollbacks = np.flatnonzero(token_starts < cursor).tolist()
+        rollbacks = (token_starts < cursor).nonzero()[0].tolist()
         for i in rollbacks:
             emit_starts[i] = min(emit_starts[i], pending.emit_starts.get(request_ids[i], emit_starts[i]))
         counts = num_rows - rejected
@@ -424,7 +424,7 @@ class CacheWorkerConnector:
         self._reattachments += int(reattach.sum())
         emitting = (sampled > 0) & (emit_starts <= token_ends)
         self._emit_cursor[slots] = np.where(emitting, token_ends, emit_starts)  # lower only after a roll-back
-        pick = np.flatnonzero(emitting)
+        pick = emitting.nonzero()[0]
         if len(pick) < n:
             request_ids = [request_ids[i] for i in pick.tolist()]
         return self._emitted_rows(
@@ -440,7 +440,7 @@ class CacheWorkerConnector:
         firsts = np.maximum(emit_starts, capture_starts)  # first emitted position of this step's rows
         rows = list(map(host.__getitem__, map(
             slice, (row_starts + firsts - capture_starts).tolist(), (row_starts + counts).tolist())))
-        earlier = np.flatnonzero(emit_starts < firsts)
+        earlier = (emit_starts < firsts).nonzero()[0]
         if len(earlier):
             packed, offsets = self._cache.read_batch(
                 [request_ids[i] for i in earlier.tolist()], emit_starts[earlier], firsts[earlier], slots=slots[earlier]
