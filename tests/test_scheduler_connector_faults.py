@@ -88,6 +88,16 @@ def two_requests(driver: Driver) -> None:
     check_output(out, "a", 6, 7)
 
 
+def test_returned_rows_are_owned_when_the_capturer_reuses_its_buffer():
+    """Rows handed to vLLM stay the request's rows after the capturer writes its buffer again
+    (a CPU snapshot in the pool dtype is the capturer's own tensor, not a copy)."""
+    driver = Driver()
+    out = driver.step(metadata({"a": 0, "b": 0}), [("a", 0, 6), ("b", 0, 5)])
+    driver.capturer.rows.fill_(255)  # the capturer's next step overwrites the same buffer
+    check_output(out, "a", 0, 6)
+    check_output(out, "b", 0, 5)
+
+
 def test_pool_exhaustion_mid_batch_fails_the_step_and_keeps_other_rows():
     driver = Driver(num_pages=5)
     two_requests(driver)  # a: 2 pages, b: 2 pages -> 1 page left

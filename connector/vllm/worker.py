@@ -436,7 +436,8 @@ class CacheWorkerConnector:
         straight from the step's snapshot (one device-to-host copy, the rows the pool now holds);
         what the client has not received from before (a prefix hit's rows, rows recomputed
         after a roll-back) is gathered from the pool."""
-        host = pending.snapshot.to(self._cache.dtype).cpu().numpy()
+        # A copy even on CPU: a capturer may hand out a view of a buffer it writes again next step.
+        host = pending.snapshot.to(device="cpu", dtype=self._cache.dtype, copy=True).numpy()
         firsts = np.maximum(emit_starts, capture_starts)  # first emitted position of this step's rows
         rows = list(map(host.__getitem__, map(
             slice, (row_starts + firsts - capture_starts).tolist(), (row_starts + counts).tolist())))
