@@ -18,7 +18,9 @@ with it on (shown first, with our rows checked against the rows the trace captur
 serves that trace).
 
 On this CPU machine our connector's scatter/gather run as torch CPU ops inside
-``process_output``; on a GPU they are asynchronous kernel launches. The table therefore
+``process_output``, and its copy-out of the step's rows (a device-to-host copy on a GPU, as
+vLLM's own connector makes) is a host memcpy; on a GPU they are asynchronous kernel launches
+and a DMA. The table therefore
 shows our CPU time both in full and without the row copies (``host_only``: the bookkeeping a
 GPU deployment keeps on the host); vLLM's connector does all of its work on the host on
 any machine. Resident memory is measured in a separate process per connector (``--rss``).
@@ -201,8 +203,9 @@ def replay(setup, events, build) -> dict:
     """Replay a recorded trace through a fresh connector, timing each of the four hooks.
 
     Per step (the k-th call of each hook): wall and thread-CPU seconds of every hook, and the
-    thread-CPU seconds spent inside our row copies (kernel launches on a GPU, torch CPU ops
-    here), so that the bookkeeping alone can be reported.
+    thread-CPU seconds spent inside our row copies (the pool's scatter / gather and the
+    copy-out: kernel launches and a DMA on a GPU, torch CPU ops here), so that the bookkeeping
+    alone can be reported.
     """
     capturer = WideCapturer()
     connector = build(setup, capturer)
@@ -217,6 +220,15 @@ def replay(setup, events, build) -> dict:
             copy_cpu[0] += time.thread_time() - started
 
         cache._copy = timed_copy
+        copy_out = connector._copy_out
+
+        def timed_copy_out(snapshot):
+            started = time.thread_time()
+            host = copy_out(snapshot)
+            copy_cpu[0] += time.thread_time() - started
+            return host
+
+        connector._copy_out = timed_copy_out
     pendings, outputs = {}, []
     timed = {hook: [] for hook in HOOKS}  # per hook, in call order: (wall, cpu, copy cpu)
 

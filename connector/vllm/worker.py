@@ -432,25 +432,30 @@ class CacheWorkerConnector:
         )
 
     def _emitted_rows(self, pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts):
-        """Rows ``[emit_start, capture_start + count)`` per request: what this step captured comes
-        straight from the step's snapshot (one device-to-host copy, the rows the pool now holds);
-        what the client has not received from before (a prefix hit's rows, rows recomputed
-        after a roll-back) is gathered from the pool."""
-        # A copy even on CPU: a capturer may hand out a view of a buffer it writes again next step.
-        host = pending.snapshot.to(device="cpu", dtype=self._cache.dtype, copy=True).numpy()
+        """Rows ``[emit_start, capture_start + count)`` per request. A request that gets only what
+        this step captured gets it straight from the step's snapshot (one device-to-host copy, the
+        rows the pool now holds); one that also gets rows from before (a prefix hit's, rows
+        recomputed after a roll-back) gets its whole interval gathered from the pool."""
+        host = self._copy_out(pending.snapshot)
         firsts = np.maximum(emit_starts, capture_starts)  # first emitted position of this step's rows
+        ends = capture_starts + counts
         rows = list(map(host.__getitem__, map(
             slice, (row_starts + firsts - capture_starts).tolist(), (row_starts + counts).tolist())))
         earlier = (emit_starts < firsts).nonzero()[0]
         if len(earlier):
             packed, offsets = self._cache.read_batch(
-                [request_ids[i] for i in earlier.tolist()], emit_starts[earlier], firsts[earlier], slots=slots[earlier]
+                [request_ids[i] for i in earlier.tolist()], emit_starts[earlier], ends[earlier], slots=slots[earlier]
             )
             packed, bounds = packed.cpu().numpy(), offsets.tolist()
             for j, i in enumerate(earlier.tolist()):
-                rows[i] = np.concatenate([packed[bounds[j] : bounds[j + 1]], rows[i]])
-        self._returned_rows += int(counts.sum() + (capture_starts - emit_starts).sum())
+                rows[i] = packed[bounds[j] : bounds[j + 1]]
+        self._returned_rows += int((ends - emit_starts).sum())
         return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), rows)))
+
+    def _copy_out(self, snapshot: torch.Tensor) -> np.ndarray:
+        """The step's rows on the host in the pool dtype: the device-to-host copy, and a copy
+        on CPU too (a capturer may hand out a view of a buffer it writes again next step)."""
+        return snapshot.to(device="cpu", dtype=self._cache.dtype, copy=True).numpy()
 
     def _teardown(self, request_id: str) -> None:
         del self._slot_of[request_id]
