@@ -428,19 +428,18 @@ class CacheWorkerConnector:
         if len(pick) < n:
             request_ids = [request_ids[i] for i in pick.tolist()]
         return self._emitted_rows(
-            pending, request_ids, slots[pick], emit_starts[pick], capture_starts[pick], row_starts[pick], counts[pick]
+            pending, request_ids, slots[pick], emit_starts[pick], capture_starts[pick], row_starts[pick], token_ends[pick]
         )
 
-    def _emitted_rows(self, pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts):
-        """Rows ``[emit_start, capture_start + count)`` per request. A request that gets only what
+    def _emitted_rows(self, pending, request_ids, slots, emit_starts, capture_starts, row_starts, ends):
+        """Rows ``[emit_start, end)`` per request (this step's rows are ``[capture_start, end)``). A request that gets only what
         this step captured gets it straight from the step's snapshot (one device-to-host copy, the
         rows the pool now holds); one that also gets rows from before (a prefix hit's, rows
         recomputed after a roll-back) gets its whole interval gathered from the pool."""
         host = self._copy_out(pending.snapshot)
         firsts = np.maximum(emit_starts, capture_starts)  # first emitted position of this step's rows
-        ends = capture_starts + counts
-        rows = list(map(host.__getitem__, map(
-            slice, (row_starts + firsts - capture_starts).tolist(), (row_starts + counts).tolist())))
+        to_snapshot = row_starts - capture_starts  # position -> snapshot row, per request
+        rows = list(map(host.__getitem__, map(slice, (firsts + to_snapshot).tolist(), (ends + to_snapshot).tolist())))
         earlier = (emit_starts < firsts).nonzero()[0]
         if len(earlier):
             packed, offsets = self._cache.read_batch(
