@@ -258,7 +258,10 @@ class RoutedExpertsCache:
         if batch is not None:
             segments.append(self._batch_segments(batch, new_pages[num_new_pages:]))
         source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
+        seeds = self._plan_seeds(plans, new_pages[:num_new_pages])
         try:
+            if seeds:  # first, while the published pages they copy are intact
+                self._copy_on_device(self._pool_words, self._pool_words, *map(np.array, zip(*seeds)))
             self._copy_on_device(source_words, self._pool_words, lengths, source_rows, target_rows)
         except Exception:
             self._pages.discard(victims)  # their rows may be partly overwritten (fail closed)
@@ -297,6 +300,25 @@ class RoutedExpertsCache:
             f"{free} free and {evictable} evictable of {self.num_pages} "
             f"(the rest are pinned or owned by live requests)"
         )
+
+    def _seed_page(self, request: _Request, block: int) -> int | None:
+        """The published page of the request's block ``block``; None if its hash is not given or
+        not published."""
+        return self._pages.published.get(request.hashes[block]) if block < len(request.hashes) else None
+
+    def _plan_seeds(self, plans: list[tuple], new_pages: list[int]) -> list[tuple[int, int, int]]:
+        """``(length, source_row, target_row)`` pool-to-pool copies for first captures that start
+        inside a published block (a whole-prompt hit recomputes the last prompt token): the
+        request's own page of that block starts as a copy of the published page's rows before
+        the capture start. ``new_pages``: the planned spans' new pages, in plan order."""
+        seeds, taken, size, started = [], 0, self.page_size, set()
+        for _, request, start, _, _, num_new in plans:
+            if request.first_block is None and id(request) not in started and start % size:
+                page = self._seed_page(request, start // size)
+                seeds.append((start % size, page * size, new_pages[taken] * size))
+            started.add(id(request))
+            taken += num_new
+        return seeds
 
     def _plan_segments(self, plans: list[tuple], new_pages: list[int]):
         """``(source_rows, target_rows, lengths)`` of the planned spans, one segment per page
@@ -433,13 +455,15 @@ class RoutedExpertsCache:
                 first_block, cursor = request.first_block, self._cursor_of(request)
             else:
                 request, first_block, cursor = known
+            seeded = 0
             if first_block is None:
-                if start % size:
+                if start % size and self._seed_page(request, start // size) is None:
                     raise InvalidCaptureError(
-                        f"request {request_id!r}: first capture must start on a page boundary "
-                        f"(page size {size}), got position {start}"
+                        f"request {request_id!r}: first capture at position {start} starts inside block "
+                        f"{start // size}, whose rows are not in the cache (a first capture starts on a page "
+                        f"boundary (page size {size}), or inside a block whose hash is published)"
                     )
-                first_block, cursor = start // size, start
+                first_block, cursor, seeded = start // size, start, start % size > 0
             elif start != cursor:
                 kind = "gap" if start > cursor else "overlap"
                 raise InvalidCaptureError(
@@ -447,7 +471,7 @@ class RoutedExpertsCache:
                     f"captured rows are [{first_block * size}, {cursor}), next position {cursor}"
                 )
             end = start + count
-            new_pages = (end + size - 1) // size - (cursor + size - 1) // size  # blocks begun past the cursor
+            new_pages = (end + size - 1) // size - (cursor + size - 1) // size + seeded  # blocks begun past the cursor
             num_new_pages += new_pages
             plans.append((request_id, request, start, source_start, count, new_pages))
             simulated[request_id] = (request, first_block, end)

@@ -739,6 +739,64 @@ def test_first_capture_past_zero_reads_earlier_blocks_through_the_index(make_cac
     assert_accounting(cache)
 
 
+def test_first_capture_inside_a_published_block_starts_from_its_rows(make_cache, gen):
+    """A whole-prompt hit: vLLM loads every block and recomputes the last prompt token, so the
+    first capture starts inside the last block. The request's own page of that block starts as a
+    copy of the published page; the recomputed row replaces its last row."""
+    cache = make_cache(8)
+    rows_a = rand_rows(gen, 12)
+    hashes = [h("a", 0), h("a", 1), h("a", 2)]
+    cache.add_block_hashes("a", hashes)
+    cache.capture("a", 0, rows_a)
+    cache.finish("a")
+    cache.add_block_hashes("b", hashes)
+    recomputed = rand_rows(gen, 3)
+    cache.capture_batch(recomputed, ["b"], [11], [0], [1])
+    assert_rows(cache.read("b", 0, 12), u8(torch.cat([rows_a[:11], recomputed[:1]])))
+    assert cache.stats()["prefix_hit_rows"] == 11
+    cache.capture("b", 12, recomputed[1:])
+    assert_rows(cache.read("b", 6, 14), u8(torch.cat([rows_a[6:11], recomputed])))
+    cache.finish("b")
+    # The published block was replaced by b's copy, which holds b's recomputed last row.
+    cache.add_block_hashes("c", hashes)
+    cache.capture("c", 12, recomputed[1:2])
+    assert_rows(cache.read("c", 0, 13), u8(torch.cat([rows_a[:11], recomputed[:2]])))
+    assert_accounting(cache)
+
+
+def test_first_capture_inside_a_block_without_published_rows_is_refused_and_changes_nothing(make_cache, gen):
+    cache = make_cache(8)
+    rows = rand_rows(gen, 8)
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+    cache.capture("a", 0, rows)
+    cache.finish("a")
+    for hashes, block in (([h("a", 0)], 1), ([h("a", 0), h("x", 1)], 1)):  # hash not given / not published
+        cache.add_block_hashes("b", hashes)
+        before = cache.stats()
+        with pytest.raises(InvalidCaptureError, match=rf"'b'.*position 7.*inside block {block}.*not in the cache"):
+            cache.capture("b", 7, rows[7:])
+        assert cache.stats() == before
+        cache.finish("b")
+    assert_accounting(cache)
+
+
+def test_a_seeded_block_is_copied_before_its_published_page_is_reused(make_cache, gen):
+    """The first capture unpins the block it seeds from, so the same call may take that published
+    page for a later block: the seed is read before the capture writes."""
+    cache = make_cache(4)
+    rows_a = rand_rows(gen, 12)
+    hashes = [h("a", 0), h("a", 1), h("a", 2)]
+    cache.add_block_hashes("a", hashes)
+    cache.capture("a", 0, rows_a)
+    cache.finish("a")
+    cache.add_block_hashes("b", hashes)
+    recomputed = rand_rows(gen, 5)
+    cache.capture("b", 11, recomputed)  # block 2 takes the free page, block 3 the evicted published one
+    assert cache.stats()["evictions"] == 1
+    assert_rows(cache.read("b", 0, 16), u8(torch.cat([rows_a[:11], recomputed])))
+    assert_accounting(cache)
+
+
 # --------------------------------------------------------------------- eviction
 
 

@@ -1,9 +1,12 @@
 """``vllm.general_plugins`` entry point: serve routed experts from the device cache.
 
-vLLM loads this in every process. On supported versions (``vllm_versions.CONTRACTS``) it swaps
-the worker-side factory ``get_aux_output_connector`` (which Model Runner V2 imports by name)
-for ours, which takes every supported release's call shape; vLLM's scheduler-side connector
-stays. ``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path.
+vLLM loads this in every process (the engine core before it builds its scheduler). On
+supported versions (``vllm_versions.CONTRACTS``) it swaps the worker-side factory
+``get_aux_output_connector`` (which Model Runner V2 imports by name) for ours, which takes every
+supported release's call shape, and, where the scheduler pins blocks for the worker (0.33+),
+vLLM's scheduler-side ``AuxOutputSchedulerConnector`` for ``scheduler.CacheSchedulerConnector``
+(in its source module and in the scheduler module, which imports it by name).
+``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path.
 """
 
 import logging
@@ -17,6 +20,7 @@ from .versions import contract_for, supported_series
 ENV_SWITCH = "ROUTED_EXPERTS_CACHE"
 _WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 _RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+SCHEDULER_CONNECTOR_SITES = ("vllm.distributed.aux_output_connector.connector", "vllm.v1.core.sched.scheduler")
 
 _SWITCH_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
@@ -56,7 +60,7 @@ def switched_on() -> bool:
 
 
 def register() -> bool:
-    """Install the cache-backed worker connector; return whether it is active."""
+    """Install the cache-backed connectors; return whether they are active."""
     if not switched_on():
         _log_state(
             logging.INFO, "routed-experts-cache: off (%s=%s); vLLM's built-in routed-experts path runs", ENV_SWITCH,
@@ -80,5 +84,10 @@ def register() -> bool:
     runner = sys.modules.get(_RUNNER_MODULE)
     if runner is not None:
         runner.get_aux_output_connector = vllm_worker.get_aux_output_connector
-    logger.debug("routed-experts-cache: worker connector factory installed on vLLM %s", vllm.__version__)
+    if contract_for(vllm.__version__).scheduler_pins:
+        from .scheduler import CacheSchedulerConnector
+
+        for module in SCHEDULER_CONNECTOR_SITES:
+            importlib.import_module(module).AuxOutputSchedulerConnector = CacheSchedulerConnector
+    logger.debug("routed-experts-cache: connectors installed on vLLM %s", vllm.__version__)
     return True

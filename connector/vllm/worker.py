@@ -39,6 +39,7 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from ..cache import RoutedExpertsCache
 from ..checks import checked_hash_lists
 from ...errors import RoutedExpertsCacheError
+from .kv_tiers import retained_blocks
 from .side_stream import SideStream
 from .versions import installed_contract
 
@@ -470,9 +471,10 @@ class CacheWorkerConnector:
 def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capturer) -> RoutedExpertsCache:
     """The pool for this engine: every KV-cached block's rows plus the working set.
 
-    With the scheduler's pins (vLLM 0.33, 0.34), it keeps up to its KV capacity of finished
-    blocks retained whether or not their KV is still cached, on top of the blocks live
-    requests hold: the KV-sized part is counted once for each. On vLLM 0.34 with the
+    With the scheduler's pins (vLLM 0.33, 0.34), it keeps the rows of up to its retention
+    capacity of finished blocks (the GPU's KV blocks plus the KV connector's tier,
+    ``kv_tiers.retained_blocks``) whether or not their KV is still on the GPU, on top of the
+    blocks live requests hold. On vLLM 0.34 with the
     extensible KV cache, ``num_blocks`` is the reserved capacity (at least the final size).
     ``aux_output_config.max_bytes``, when set, replaces the KV-sized part. The copy backend
     is ``ROUTED_EXPERTS_CACHE_BACKEND`` (auto / triton / torch; auto = Triton on CUDA).
@@ -484,8 +486,9 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
     max_bytes = vllm_config.aux_output_config.max_bytes
     if max_bytes is None:
         kv_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
-        # AuxOutputSchedulerConnector._capacity: num_blocks, doubled with a KV connector.
-        retained_pages = kv_pages * (2 if vllm_config.kv_transfer_config is not None else 1)
+        # The scheduler side's retention capacity (scheduler.CacheSchedulerConnector): the GPU's
+        # blocks plus the KV connector's tier.
+        retained_pages = retained_blocks(vllm_config, kv_cache_config) * (scheduler_block_size // page_size)
         shared_pages = kv_pages + (retained_pages if installed_contract().scheduler_pins else 0)
     else:
         shared_pages = max_bytes // page_nbytes

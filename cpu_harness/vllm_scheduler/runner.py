@@ -185,6 +185,7 @@ class SimModelRunner:
         output = KVConnectorOutput(
             finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving, invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
         self._apply_loads()

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
+from unittest import mock
 
 from .installed import CONTRACT  # first: checks the installed vLLM, sets its environment
 import torch
@@ -29,12 +30,20 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+import vllm.v1.core.sched.scheduler as scheduler_module
+from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+from routed_experts_cache.connector.vllm.kv_tiers import retained_blocks
+from routed_experts_cache.connector.vllm.scheduler import CacheSchedulerConnector
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from .toy_model import BLOCK_SIZE, HarnessError, NUM_EXPERTS, ROW_SHAPE
 from .kv_connector import StubKVConnector, kv_transfer_config, make_worker
+from .kv_tiers import TierWorker, tier_transfer_config
+
+SCHEDULER_CONNECTORS = {"ours": CacheSchedulerConnector, "vllm": AuxOutputSchedulerConnector}
 
 
 _MODEL_DIRS: dict[int, str] = {}
@@ -92,6 +101,8 @@ def make_scheduler(
     max_model_len: int = 512,
     block_size: int = BLOCK_SIZE,
     kv_connector: dict | None = None,
+    kv_tier: tuple[str, int] | None = None,
+    scheduler_connector: str = "ours",
 ) -> SchedulerSetup:
     """The real 0.33 scheduler, configured the way the engine core builds it.
 
@@ -105,7 +116,19 @@ def make_scheduler(
     the defaults); the scheduler then loads ``StubKVConnector`` through vLLM's
     ``kv_transfer_config`` (``kv_role="kv_both"``, ``kv_load_failure_policy`` "recompute"
     unless given) and the worker-side instance is ``setup.kv_worker``.
+
+    ``kv_tier``: ``(connector name, tier blocks)``, a real CPU-offload connector of vLLM
+    (``kv_tiers.tier_transfer_config``) whose tier holds that many GPU KV blocks; the worker side
+    is the stand-in ``kv_tiers.TierWorker``.
+
+    ``scheduler_connector``: the scheduler-side aux-output connector the scheduler builds:
+    ``"ours"`` (``CacheSchedulerConnector``, what the plugin installs) or ``"vllm"`` (vLLM's
+    ``AuxOutputSchedulerConnector``).
     """
+    if scheduler_connector not in SCHEDULER_CONNECTORS:
+        raise HarnessError(f"scheduler_connector must be one of {sorted(SCHEDULER_CONNECTORS)}, got {scheduler_connector!r}")
+    if kv_connector is not None and kv_tier is not None:
+        raise HarnessError("one KV connector: kv_connector (the stub) or kv_tier (a real CPU-offload connector)")
     nextn = max(1, lookahead)
     if lookahead > 1 and num_spec_tokens != lookahead:
         # Multi-module MTP hashes num_speculative_tokens lookahead tokens.
@@ -118,9 +141,10 @@ def make_scheduler(
         model=_model_dir(nextn), skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len
     )
     keeps_lookahead = kv_connector is not None and kv_connector.get("keeps_lookahead_hashes", False)
+    keeps_lookahead |= kv_tier is not None and CONTRACT.kv_connectors_may_keep_lookahead  # both opt in on 0.34
     if keeps_lookahead and not CONTRACT.kv_connectors_may_keep_lookahead:
         raise HarnessError(f"vLLM {CONTRACT.series} has no KV connector that keeps lookahead hashing")
-    if kv_connector is not None and lookahead != 0 and not keeps_lookahead:
+    if (kv_connector is not None or kv_tier is not None) and lookahead != 0 and not keeps_lookahead:
         # VllmConfig.num_hash_lookahead_tokens: KV connectors keep the legacy hashes unless they
         # opt in (0.34's supports_lookahead_block_hashes).
         raise HarnessError("a KV connector without the lookahead opt-in turns lookahead hashing off: use lookahead=0")
@@ -131,11 +155,14 @@ def make_scheduler(
         speculative_config = SpeculativeConfig(
             method="mtp", num_speculative_tokens=num_spec_tokens, target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
-            disable_lookahead_block_hashes=lookahead == 0 and (kv_connector is None or keeps_lookahead),
+            disable_lookahead_block_hashes=lookahead == 0 and (kv_connector is None and kv_tier is None or keeps_lookahead),
         )
+    kv_spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_transfer = None
     if kv_connector is not None:
         kv_transfer = kv_transfer_config(**kv_connector)
+    elif kv_tier is not None:
+        kv_transfer = tier_transfer_config(*kv_tier, block_bytes=kv_spec.page_size_bytes)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_chunked_prefill=True, async_scheduling=async_scheduling,
@@ -153,30 +180,40 @@ def make_scheduler(
         )
     if CONTRACT.has_model_runner_v1 and not vllm_config.use_v2_model_runner:
         raise HarnessError("routed experts need Model Runner V2")
+    # SimpleCPUOffloadConnector sizes its tier from the KV tensor (and refuses a config without one).
+    page = kv_spec.page_size_bytes
+    kv_tensors = [] if kv_tier is None else [
+        KVCacheTensor(size=page * num_blocks, layers=["layer"], layer_stride=page * num_blocks, block_stride=page)
+    ]
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32))
-        ],
+        num_blocks=num_blocks, kv_cache_tensors=kv_tensors, kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)],
     )
     cache_config.num_gpu_blocks = num_blocks
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-    scheduler = scheduler_cls(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config), block_size=scheduler_block_size,
-        hash_block_size=hash_block_size, log_stats=False,
-    )
+    with mock.patch.object(scheduler_module, "AuxOutputSchedulerConnector", SCHEDULER_CONNECTORS[scheduler_connector]):
+        scheduler = scheduler_cls(
+            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config), block_size=scheduler_block_size,
+            hash_block_size=hash_block_size, log_stats=False,
+        )
     if scheduler.aux_output_connector is None:
         raise HarnessError("the scheduler built no AuxOutputSchedulerConnector")
+    if type(scheduler.aux_output_connector) is not SCHEDULER_CONNECTORS[scheduler_connector]:
+        raise HarnessError(f"the scheduler built {type(scheduler.aux_output_connector).__name__}")
     kv_worker = None
-    if kv_transfer is not None:
+    if kv_connector is not None:
         if not isinstance(scheduler.connector, StubKVConnector):
             raise HarnessError(f"the scheduler built KV connector {type(scheduler.connector).__name__}")
         kv_worker = make_worker(vllm_config, kv_cache_config)
-    # With a KV connector the aux-output scheduler keeps up to 2 x num_blocks retained blocks.
-    capacity = num_blocks * (2 if kv_transfer is not None else 1)
+    elif kv_tier is not None:
+        if type(scheduler.connector).__name__ != kv_tier[0]:
+            raise HarnessError(f"the scheduler built KV connector {type(scheduler.connector).__name__}")
+        kv_worker = TierWorker()
+    if scheduler_connector == "ours":  # the KV blocks plus the tier (kv_tiers.retained_blocks)
+        capacity = retained_blocks(vllm_config, kv_cache_config)
+    else:  # vLLM: num_blocks, doubled with any KV connector
+        capacity = num_blocks * (2 if kv_transfer is not None else 1)
     if scheduler.aux_output_connector._capacity != capacity:
         raise HarnessError(f"AuxOutputSchedulerConnector capacity {scheduler.aux_output_connector._capacity}, "
                            f"expected {capacity}")

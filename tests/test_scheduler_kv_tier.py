@@ -1,0 +1,136 @@
+"""Rows follow the KV into a CPU tier: vLLM's real ``OffloadingConnector`` and
+``SimpleCPUOffloadConnector`` (scheduler roles) under vLLM 0.33's and 0.34's real scheduler, with
+this project's scheduler-side connector (``CacheSchedulerConnector``) against vLLM's built-in
+``AuxOutputSchedulerConnector``. Our worker connector returns the rows in both; every request's
+client rows are checked against the routing oracle.
+
+- A multi-turn workload whose histories leave the GPU but stay in the tier: the share of the
+  tier's offered hit tokens the scheduler may load (ours: all of it; vLLM's: what its
+  ``2 x num_blocks`` retention still covers).
+- Tail-first release: with the same retention capacity, a partial release leaves ours a usable
+  prefix; vLLM's keeps only tails and drops the hit.
+- Whole-prompt hits: ``OffloadingConnector`` offers a regenerated prompt whole; ours loads it
+  (the worker seeds the recomputed last token's block); vLLM's built-in recomputes it all.
+"""
+
+import pytest
+
+from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
+    RetainedPins, SimEngine, build_our_connector, make_request, make_scheduler, random_prompt,
+)
+from cpu_harness.vllm_scheduler.kv_tiers import TIER_CONNECTORS
+from cpu_harness.vllm_scheduler.multi_turn import observe_hits, run_multi_turn, TierRun
+import numpy as np
+
+from routed_experts_cache import RoutedExpertsCacheError
+from routed_experts_cache.connector.vllm.kv_tiers import TIER_BLOCKS_ENV, retained_blocks, tier_blocks
+
+BLOCK = 4
+
+
+@pytest.mark.parametrize("kv_connector", TIER_CONNECTORS)
+def test_multi_turn_hits_from_the_cpu_tier_are_taken_with_exact_rows(kv_connector):
+    ours = run_multi_turn(kv_connector, "ours")
+    builtin = run_multi_turn(kv_connector, "vllm")
+    for run in (ours, builtin):
+        assert run.requests_checked == 60 and run.rows_checked > 4000  # every client row equal to the oracle
+        assert run.offered_tokens > 2000  # the tier offered the histories the GPU had evicted
+    assert ours.accepted_share >= 0.95
+    assert builtin.accepted_share < 0.5  # measured 0.07-0.14: its retention is 2 x the GPU KV
+
+
+def tier_engine(kv_connector: str, scheduler_connector: str, *, num_blocks: int, tier: int):
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=num_blocks, max_num_seqs=4,
+                           max_num_batched_tokens=64, kv_tier=(kv_connector, tier),
+                           scheduler_connector=scheduler_connector)
+    engine = SimEngine(setup, build_our_connector(setup))
+    RetainedPins(engine.runner)
+    run = TierRun(kv_connector, scheduler_connector, num_blocks, tier)
+    observe_hits(setup.scheduler, run)
+    return setup, engine, run
+
+
+def finish(engine, setup, request_id, prompt, max_tokens=1):
+    engine.add(make_request(setup, request_id, prompt, max_tokens))
+    engine.flush()
+    engine.check_finished_request(request_id)
+
+
+def retained_blocks_of(setup, prompt) -> list[int]:
+    """Which of ``prompt``'s blocks the scheduler side retains."""
+    aux = setup.scheduler.aux_output_connector
+    probe = make_request(setup, "probe", prompt, 1)
+    return [i for i, (block, _) in enumerate(aux._kv_blocks(probe.block_hashes)) if block in aux._kv_cached]
+
+
+@pytest.mark.parametrize("kv_connector", TIER_CONNECTORS)
+@pytest.mark.parametrize("scheduler_connector", ["ours", "vllm"])
+def test_a_partial_release_keeps_a_usable_prefix(kv_connector, scheduler_connector, monkeypatch):
+    """GPU KV 8 blocks; ours retains 8 + 8 (the tier size set to 8 blocks, vLLM's ``2 x 8``), so
+    both release at the same point; the real tier holds 64 blocks, so it still offers A."""
+    monkeypatch.setenv(TIER_BLOCKS_ENV, "8")
+    setup, engine, run = tier_engine(kv_connector, scheduler_connector, num_blocks=8, tier=64)
+    rng = np.random.default_rng(3)
+    prompt_a = random_prompt(rng, 4 * BLOCK)
+    finish(engine, setup, "a", prompt_a)
+    for i in range(7):  # 7 x 2 blocks: A leaves the GPU, and retention exceeds 16 blocks by 2
+        finish(engine, setup, f"filler{i}", random_prompt(rng, 2 * BLOCK))
+    kept = retained_blocks_of(setup, prompt_a)
+    assert kept == ([0, 1] if scheduler_connector == "ours" else [2, 3])  # tail-first / prefix-first
+    prompt_b = prompt_a + random_prompt(rng, BLOCK)
+    finish(engine, setup, "b", prompt_b, max_tokens=3)  # rows checked against the oracle
+    decision = run.decisions["b"]
+    assert (decision.num_local, decision.offered) == (0, 4 * BLOCK)  # A's blocks, from the tier
+    # Ours loads the covered prefix (2 blocks; the rest is recomputed); vLLM's drops the hit.
+    assert decision.accepted == (2 * BLOCK if scheduler_connector == "ours" else 0)
+
+
+@pytest.mark.parametrize("scheduler_connector", ["ours", "vllm"])
+def test_a_whole_prompt_hit_is_loaded_when_rows_cover_it(scheduler_connector):
+    """``OffloadingConnector`` offers a re-sent prompt whole (block-aligned, evicted from the
+    GPU); vLLM recomputes only its last token after the load."""
+    setup, engine, run = tier_engine("OffloadingConnector", scheduler_connector, num_blocks=8, tier=64)
+    rng = np.random.default_rng(4)
+    prompt = random_prompt(rng, 4 * BLOCK)
+    finish(engine, setup, "a", prompt)
+    for i in range(4):
+        finish(engine, setup, f"filler{i}", random_prompt(rng, 2 * BLOCK))
+    finish(engine, setup, "again", prompt, max_tokens=4)  # rows [0, 19) checked against the oracle
+    decision = run.decisions["again"]
+    assert (decision.num_local, decision.offered) == (0, len(prompt))
+    assert decision.accepted == (len(prompt) if scheduler_connector == "ours" else 0)
+    cache = engine.connector.cache
+    if scheduler_connector == "ours":
+        assert cache.stats()["prefix_hit_rows"] >= len(prompt) - 1  # no prompt row recomputed but the last
+
+
+@pytest.mark.parametrize("kv_connector", TIER_CONNECTORS)
+def test_retention_capacity_is_the_gpu_kv_plus_the_tier_the_connector_reports(kv_connector, monkeypatch):
+    monkeypatch.delenv(TIER_BLOCKS_ENV, raising=False)
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=32, kv_tier=(kv_connector, 96))
+    connector = setup.scheduler.connector
+    if kv_connector == "OffloadingConnector":
+        info = connector.connector_scheduler.manager.config_info()[0]
+        reported = info["cpu_num_chunks"] * info["cpu_blocks_per_chunk"]
+    else:
+        reported = connector.scheduler_manager.num_cpu_blocks - 1  # block 0 is the null block
+    assert tier_blocks(setup.vllm_config, setup.kv_cache_config) == reported == 96
+    assert setup.scheduler.aux_output_connector._capacity == 32 + 96
+    assert retained_blocks(setup.vllm_config, setup.kv_cache_config) == 32 + 96
+    monkeypatch.setenv(TIER_BLOCKS_ENV, "1000")
+    assert retained_blocks(setup.vllm_config, setup.kv_cache_config) == 32 + 1000
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv(TIER_BLOCKS_ENV, bad)
+        with pytest.raises(RoutedExpertsCacheError, match=rf"{TIER_BLOCKS_ENV}='{bad}'"):
+            retained_blocks(setup.vllm_config, setup.kv_cache_config)
+
+
+def test_connectors_without_a_known_tier_keep_vllms_retention_and_all_or_nothing_hits(monkeypatch):
+    """The harness's stub KV connector (tier unknown to vLLM, asserts an exact count) keeps
+    ``2 x num_blocks`` and whole hits only."""
+    monkeypatch.delenv(TIER_BLOCKS_ENV, raising=False)
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=16, kv_connector={})
+    assert setup.scheduler.aux_output_connector._capacity == 32
+    assert not setup.scheduler.aux_output_connector._cuts_partial_hits
+    plain = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=16)
+    assert plain.scheduler.aux_output_connector._capacity == 16
