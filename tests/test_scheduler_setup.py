@@ -8,6 +8,10 @@ KV cache config. A step before the storage exists, and a second initialisation, 
 with a typed error and change nothing.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +113,24 @@ def test_both_call_shapes_of_the_factory_are_accepted():
     two_step.initialize_output_storage(setup.kv_cache_config)
     assert one_call.cache.num_pages == two_step.cache.num_pages
     assert np.array_equal(one_call.cache.pages.shape, two_step.cache.pages.shape)
+
+
+INSTALLED_SCHEDULER_CONNECTOR = """
+from routed_experts_cache.connector.vllm import plugin
+active = plugin.register()
+import vllm.distributed.aux_output_connector.connector as source
+import vllm.v1.core.sched.scheduler as scheduler
+print(active, source.AuxOutputSchedulerConnector.__name__, scheduler.AuxOutputSchedulerConnector.__name__)
+"""
+
+
+@pytest.mark.parametrize("switch, expected", [("1", "True CacheSchedulerConnector CacheSchedulerConnector"),
+                                              ("0", "False AuxOutputSchedulerConnector AuxOutputSchedulerConnector")])
+def test_the_plugin_replaces_the_scheduler_side_connector_where_the_scheduler_reads_it(switch, expected):
+    """In a fresh process, as ``EngineCore`` loads plugins before it builds the scheduler: both
+    names the scheduler can reach are ours when the plugin is on, vLLM's when it is off."""
+    env = dict(os.environ, ROUTED_EXPERTS_CACHE=switch)
+    done = subprocess.run([sys.executable, "-c", INSTALLED_SCHEDULER_CONNECTOR], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == expected
