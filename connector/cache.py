@@ -81,13 +81,18 @@ class RoutedExpertsCache:
         device: str | torch.device = "cpu",
         backend: str = "auto",
         max_position: int = DEFAULT_MAX_POSITION,
+        host_pages: int = 0,
     ) -> None:
         """``max_position``: positions are ``[0, max_position)`` (a request's length bound; vLLM's
         connector passes ``max_model_len``); a call naming a position past it is refused before
-        anything changes."""
+        anything changes. ``host_pages``: the host tier, pages in host memory (pinned on CUDA)
+        that take retained blocks when the device pool is full (``PagePool``); reads gather
+        their rows from there."""
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_position", max_position)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise RoutedExpertsCacheError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
+            raise RoutedExpertsCacheError(f"host_pages must be an int >= 0, got {host_pages!r}")
         row_shape = tuple(row_shape)
         if not row_shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in row_shape):
             raise RoutedExpertsCacheError(f"row_shape must be positive ints, got {row_shape!r}")
@@ -116,10 +121,13 @@ class RoutedExpertsCache:
             )
         try:
             self.pages = torch.zeros((num_pages, page_size, *row_shape), dtype=dtype, device=device)
+            self.host_arena = torch.zeros(
+                (host_pages, page_size, *row_shape), dtype=dtype, pin_memory=device.type == "cuda" and host_pages > 0
+            )
         except (RuntimeError, AssertionError) as error:  # an unusable device, or out of memory
             raise RoutedExpertsCacheError(
                 f"cannot allocate the pool ({num_pages} pages x {page_size} rows of {row_shape} {dtype}) on "
-                f"{device}: {error}"
+                f"{device}, with {host_pages} host pages: {error}"
             ) from error
         self._pool_words = as_row_words(self.pages.view(num_pages * page_size, -1))
         self._copy = load_triton_copy() if backend == "triton" else copy_segments_torch
@@ -137,8 +145,7 @@ class RoutedExpertsCache:
         return prod(self.row_shape) * self.pages.element_size()
 
     def _clear(self) -> None:
-        self._pages = PagePool(self.num_pages)  # pins: requests' hashes and retained ones
-        self._retained: Counter[bytes] = Counter()  # pins taken by retain(), for release()
+        self._pages = PagePool(self.num_pages, self.host_arena.shape[0])  # pins: requests' hashes and retained ones
         self._requests: dict[object, _Request] = {}
         self._counters = Counter()
         self._slots = RequestSlots()
@@ -253,15 +260,18 @@ class RoutedExpertsCache:
         batch_new = int(batch[4].sum()) if batch is not None else 0
         releasing = self._pages.released_by(self._first_capture_unpins(plans))
         self._check_room(plans, num_new_pages, batch, batch_new, len(releasing))
-        new_pages, victims = self._pages.next_pages(num_new_pages + batch_new, releasing)
+        new_pages, victims, demotions = self._pages.next_pages(num_new_pages + batch_new, releasing)
         segments = [self._plan_segments(plans, new_pages[:num_new_pages])]
         if batch is not None:
             segments.append(self._batch_segments(batch, new_pages[num_new_pages:]))
         source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
         seeds = self._plan_seeds(plans, new_pages[:num_new_pages])
         try:
-            if seeds:  # first, while the published pages they copy are intact
-                self._copy_on_device(self._pool_words, self._pool_words, *map(np.array, zip(*seeds)))
+            if demotions:  # first: the demoted blocks' rows reach the host before their pages are reused
+                device_pages, host_pages = (list(column) for column in zip(*demotions))
+                self.host_arena[[page - self.num_pages for page in host_pages]] = self.pages[device_pages].cpu()
+            if seeds:  # then, while the published pages they copy are intact
+                self._copy_seeds(seeds)
             self._copy_on_device(source_words, self._pool_words, lengths, source_rows, target_rows)
         except Exception:
             self._pages.discard(victims)  # their rows may be partly overwritten (fail closed)
@@ -285,9 +295,9 @@ class RoutedExpertsCache:
 
     def _check_room(self, plans: list[tuple], num_new_pages: int, batch, batch_new: int, releasing: int) -> None:
         """Refuse a capture that needs more new pages than are free or evictable."""
-        free, evictable = len(self._pages.free), len(self._pages.evictable) + releasing
-        if num_new_pages + batch_new <= free + evictable:
+        if num_new_pages + batch_new <= self._pages.room(releasing):
             return
+        free, evictable = len(self._pages.free), len(self._pages.evictable) + releasing
         wanted = [f"{plan[0]!r} [{plan[2]}, {plan[2] + plan[4]})" for plan in plans]
         if batch is not None:  # named like the planned spans: a refused capture names its requests
             slots, starts, _, counts, _ = batch
@@ -295,9 +305,11 @@ class RoutedExpertsCache:
                 f"{self._slots.ids[slot]!r} [{start}, {start + count})"
                 for slot, start, count in zip(slots.tolist(), starts.tolist(), counts.tolist())
             ]
+        host = self._pages.host_pages
+        host_room = f" (host tier: {self._pages.room(releasing) - free - evictable} to demote of {host})" if host else ""
         raise CacheFullError(
             f"capture of {', '.join(wanted)} needs {num_new_pages + batch_new} new pages; only "
-            f"{free} free and {evictable} evictable of {self.num_pages} "
+            f"{free} free and {evictable} evictable of {self.num_pages}{host_room} "
             f"(the rest are pinned or owned by live requests)"
         )
 
@@ -307,7 +319,7 @@ class RoutedExpertsCache:
         return self._pages.published.get(request.hashes[block]) if block < len(request.hashes) else None
 
     def _plan_seeds(self, plans: list[tuple], new_pages: list[int]) -> list[tuple[int, int, int]]:
-        """``(length, source_row, target_row)`` pool-to-pool copies for first captures that start
+        """``(rows, source page, target page)`` page-to-page copies for first captures that start
         inside a published block (a whole-prompt hit recomputes the last prompt token): the
         request's own page of that block starts as a copy of the published page's rows before
         the capture start. ``new_pages``: the planned spans' new pages, in plan order."""
@@ -315,10 +327,20 @@ class RoutedExpertsCache:
         for _, request, start, _, _, num_new in plans:
             if request.first_block is None and id(request) not in started and start % size:
                 page = self._seed_page(request, start // size)
-                seeds.append((start % size, page * size, new_pages[taken] * size))
+                seeds.append((start % size, page, new_pages[taken]))
             started.add(id(request))
             taken += num_new
         return seeds
+
+    def _copy_seeds(self, seeds: list[tuple[int, int, int]]) -> None:
+        """Seed copies: from device pages with one launch, from host pages one block each (rare)."""
+        size, on_device = self.page_size, [seed for seed in seeds if not self._pages.on_host(seed[1])]
+        if on_device:
+            lengths, sources, targets = (np.array(column) for column in zip(*on_device))
+            self._copy_on_device(self._pool_words, self._pool_words, lengths, sources * size, targets * size)
+        for length, source, target in seeds:
+            if self._pages.on_host(source):
+                self.pages[target, :length] = self.host_arena[source - self.num_pages, :length].to(self.device)
 
     def _plan_segments(self, plans: list[tuple], new_pages: list[int]):
         """``(source_rows, target_rows, lengths)`` of the planned spans, one segment per page
@@ -534,21 +556,16 @@ class RoutedExpertsCache:
         """Pin published (or future) blocks by hash, independent of any request."""
         hashes = as_list(hashes, "retained hashes")
         check_hashes(hashes, "retained hashes")
-        self._retained.update(hashes)
-        self._pages.pin(hashes)
+        self._pages.retain(hashes)
 
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
         hashes = as_list(hashes, "released hashes")
         check_hashes(hashes, "released hashes")
-        missing = [h.hex() for h, n in Counter(hashes).items() if self._retained[h] < n]
+        missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained[h] < n]
         if missing:
             raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
-        for block_hash in hashes:
-            self._retained[block_hash] -= 1
-            if not self._retained[block_hash]:
-                del self._retained[block_hash]
-        self._pages.unpin(hashes)
+        self._pages.release(hashes)
 
     def _pinned_hashes(self, request: _Request) -> list[bytes]:
         """The hashes a request pins, in block order: its prefix blocks (every hash before its
@@ -624,10 +641,17 @@ class RoutedExpertsCache:
             lengths.append(np.array(seg_end, dtype=np.int64) - target_rows[-1])
         total = int(offsets[-1])
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
-        self._copy_on_device(
-            self._pool_words, as_row_words(packed), np.concatenate(lengths), np.concatenate(source_rows),
-            np.concatenate(target_rows),
-        )
+        lengths, source_rows, target_rows = (np.concatenate(parts) for parts in (lengths, source_rows, target_rows))
+        host_rows = self.num_pages * size
+        from_host = source_rows >= host_rows
+        if from_host.any():  # blocks demoted to the host tier: gathered there, one copy to the device
+            runs = lengths[from_host]
+            within = np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)
+            rows = self.host_arena.view(-1, *self.row_shape)[np.repeat(source_rows[from_host] - host_rows, runs) + within]
+            packed[torch.from_numpy(np.repeat(target_rows[from_host], runs) + within).to(self.device)] = rows.to(self.device)
+            lengths, source_rows, target_rows = lengths[~from_host], source_rows[~from_host], target_rows[~from_host]
+            self._counters["host_read_rows"] += int(runs.sum())
+        self._copy_on_device(self._pool_words, as_row_words(packed), lengths, source_rows, target_rows)
         self._counters["read_rows"] += total
         return packed, offsets
 
@@ -769,7 +793,7 @@ class RoutedExpertsCache:
 
     def page_states(self) -> dict[int, str]:
         """State of every non-free page: 'tail', 'pending', 'duplicate' or 'published'."""
-        states = {page: "published" for page in self._pages.published.values()}
+        states = {page: "published" for page in self._pages.published.values() if page < self.num_pages}
         for request in self._requests.values():
             for offset, page in enumerate(request.own_pages):
                 if offset < request.num_settled:
@@ -796,17 +820,21 @@ class RoutedExpertsCache:
             "requests": len(self._requests),
             "generation": self.generation,
             "evictions": self._pages.evictions,
+            "host_pages": self._pages.host_pages,
+            "demoted": self._pages.host_pages - len(self._pages.host_free),
+            "demotions": self._pages.demotions,
             "published_blocks": self._pages.published_blocks,
             "prefix_hit_rows": self._counters["prefix_hit_rows"],
             "captured_rows": self._counters["captured_rows"],
             "read_rows": self._counters["read_rows"],
+            "host_read_rows": self._counters["host_read_rows"],
             "rewound_rows": self._counters["rewound_rows"],
         }
 
     def check_consistency(self) -> None:
         """Raise if the page accounting is broken (used by the property tests)."""
         owned = [page for r in self._requests.values() for page in r.own_pages]
-        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + self._retained
+        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + self._pages.retained
         problems = self._pages.problems(set(owned), expected_pins)
         if len(set(owned)) != len(owned):
             problems.append("a page is owned by two requests")

@@ -1,4 +1,5 @@
-"""Page ids of the pool: which are free, which hold a published block, and which go first."""
+"""Page ids of the pool and its host tier: which are free, which hold a published block, which go
+first when a page is needed."""
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
@@ -6,68 +7,123 @@ from itertools import chain, islice
 
 
 class PagePool:
-    """The free pages, the published index (block hash -> page), pins and the eviction order.
+    """The free pages, the published index (block hash -> page), pins, the eviction order and the
+    demotion order, for the device pool and its host tier.
 
-    Every page is in exactly one place: ``free`` (taken first, in order), a value of
-    ``published`` (shared by block hash), or owned by one request (the cache's block maps; the
-    pool does not track those). Pins are counted per hash, published yet or not. A published
-    page whose hash has no pin is in ``evictable``, and ``evictable``'s order (oldest first)
-    is the eviction order: ``allocate`` takes a free page, else the first evictable one.
+    Device pages are ``0 .. num_pages - 1``, host pages ``num_pages .. num_pages + host_pages -
+    1``. Every page is in exactly one place: a free list (``free``, ``host_free``), a value of
+    ``published`` (shared by block hash; a host page holds a block demoted from the device), or
+    owned by one request (device pages only; the cache's block maps do not live here). Pins are
+    counted per hash, published yet or not; ``retained`` counts the pins ``retain`` took.
+
+    Orders, oldest first: a published hash without pins is in ``evictable`` (device) or
+    ``host_evictable`` (host); a device-published hash whose every pin is a retain is in
+    ``demotable``. ``allocate`` takes a free page, else evicts the first evictable one, else
+    demotes the first demotable block to a host page (a free one, else the first host-evictable
+    one) and takes its device page: a block the scheduler retains leaves the device only when
+    the device is full, and no live request reads it there.
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, host_pages: int = 0) -> None:
         self.num_pages = num_pages
+        self.host_pages = host_pages
         self.free: deque[int] = deque(range(num_pages))
+        self.host_free: deque[int] = deque(range(num_pages, num_pages + host_pages))
         self.published: dict[bytes, int] = {}
         self.pins: Counter[bytes] = Counter()
+        self.retained: Counter[bytes] = Counter()
         self.evictable: OrderedDict[bytes, None] = OrderedDict()
+        self.host_evictable: OrderedDict[bytes, None] = OrderedDict()
+        self.demotable: OrderedDict[bytes, None] = OrderedDict()
         self.evictions = 0
+        self.demotions = 0
         self.published_blocks = 0
 
+    def on_host(self, page: int) -> bool:
+        return page >= self.num_pages
+
     def allocate(self) -> int:
+        """A device page: free, else evicted, else freed by demoting its block to the host."""
         if self.free:
             return self.free.popleft()
-        block_hash, _ = self.evictable.popitem(last=False)
+        if self.evictable:
+            block_hash, _ = self.evictable.popitem(last=False)
+            self.evictions += 1
+            return self.published.pop(block_hash)
+        block_hash, _ = self.demotable.popitem(last=False)
+        page = self.published[block_hash]
+        self.published[block_hash] = self._host_page()
+        self.demotions += 1
+        return page
+
+    def _host_page(self) -> int:
+        if self.host_free:
+            return self.host_free.popleft()
+        block_hash, _ = self.host_evictable.popitem(last=False)
         self.evictions += 1
         return self.published.pop(block_hash)
 
-    def next_pages(self, count: int, releasing: list[bytes]) -> tuple[list[int], list[bytes]]:
-        """The pages the next ``count`` allocations will take, changing nothing, and the
-        published hashes they evict; ``releasing`` are hashes that become evictable (in that
-        order) before those allocations. The caller checks ``count`` is available."""
+    def room(self, releasing: int = 0) -> int:
+        """Device pages the next allocations can take (``releasing``: hashes about to become evictable)."""
+        return len(self.free) + len(self.evictable) + releasing + min(
+            len(self.demotable), len(self.host_free) + len(self.host_evictable)
+        )
+
+    def next_pages(self, count: int, releasing: list[bytes]) -> tuple[list[int], list[bytes], list[tuple[int, int]]]:
+        """What the next ``count`` allocations will do, changing nothing: the device pages they
+        take, the published hashes they evict (device and host), and the demotions ``(device
+        page, host page)`` whose rows must reach the host first. ``releasing``: hashes that
+        become evictable (in that order) before those allocations. The caller checks ``room``."""
         from_free = list(islice(self.free, count))
         victims = list(islice(chain(self.evictable, releasing), count - len(from_free)))
-        return from_free + [self.published[block_hash] for block_hash in victims], victims
+        pages = from_free + [self.published[block_hash] for block_hash in victims]
+        demoted = list(islice(self.demotable, count - len(pages)))
+        host_pages = list(islice(self.host_free, len(demoted)))
+        host_victims = list(islice(self.host_evictable, len(demoted) - len(host_pages)))
+        host_pages += [self.published[block_hash] for block_hash in host_victims]
+        demotions = [(self.published[block_hash], host_page) for block_hash, host_page in zip(demoted, host_pages)]
+        return pages + [device_page for device_page, _ in demotions], victims + host_victims, demotions
 
     def released_by(self, unpins: Iterable[bytes]) -> list[bytes]:
-        """Published hashes that ``unpin(unpins)`` would make evictable, in that order."""
+        """Device-published hashes that ``unpin(unpins)`` would make evictable, in that order."""
         drops: Counter[bytes] = Counter()
         released = []
         for block_hash in unpins:
             drops[block_hash] += 1
-            if drops[block_hash] == self.pins[block_hash] and block_hash in self.published:
+            page = self.published.get(block_hash)
+            if drops[block_hash] == self.pins[block_hash] and page is not None and not self.on_host(page):
                 released.append(block_hash)
         return released
 
     def discard(self, hashes: list[bytes]) -> None:
         """Unpublish unpinned hashes whose pages' rows can no longer be trusted; free the pages."""
         for block_hash in hashes:
-            self.evictable.pop(block_hash, None)
-            self.free.append(self.published.pop(block_hash))
+            page = self.published.pop(block_hash)
+            if self.on_host(page):
+                self.host_evictable.pop(block_hash, None)
+                self.host_free.append(page)
+            else:
+                self.evictable.pop(block_hash, None)
+                self.free.append(page)
 
     def publish(self, block_hash: bytes, page: int) -> bool:
         """Publish ``page`` under ``block_hash`` and pin it once, unless the hash is published
         and pinned already (then the page stays a private duplicate: False). An unpinned
-        published copy is replaced and its page freed, so a recomputed block holds one page."""
+        published copy (device or host) is replaced and its page freed, so a recomputed block
+        holds one page."""
         stale_page = self.published.get(block_hash)
         if stale_page is not None:
-            if block_hash not in self.evictable:
+            if self.pins[block_hash]:
                 return False
-            self.free.append(stale_page)
+            if self.on_host(stale_page):
+                del self.host_evictable[block_hash]
+                self.host_free.append(stale_page)
+            else:
+                del self.evictable[block_hash]
+                self.free.append(stale_page)
         self.published[block_hash] = page
         self.published_blocks += 1
         self.pins[block_hash] += 1
-        self.evictable.pop(block_hash, None)
         return True
 
     def unpublish(self, block_hash: bytes) -> None:
@@ -77,30 +133,79 @@ class PagePool:
         self.unpin([block_hash])
 
     def pin(self, hashes: list[bytes]) -> None:
+        """A request's pins: its hashes are neither evictable nor demotable while it holds them."""
         self.pins.update(hashes)
-        if self.evictable and not self.evictable.keys().isdisjoint(hashes):
-            for block_hash in hashes:
-                self.evictable.pop(block_hash, None)
+        for order in (self.evictable, self.host_evictable, self.demotable):
+            if order and not order.keys().isdisjoint(hashes):
+                for block_hash in hashes:
+                    order.pop(block_hash, None)
 
     def unpin(self, hashes: Iterable[bytes]) -> None:
-        """Drop one pin per hash; published hashes left unpinned become evictable in this order."""
+        """Drop one pin per hash; published hashes left unpinned become evictable in this order,
+        device-published ones left with retains only become demotable."""
         for block_hash in hashes:
             self.pins[block_hash] -= 1
             if self.pins[block_hash] == 0:
                 del self.pins[block_hash]
-                if block_hash in self.published:
-                    self.evictable[block_hash] = None
+            self._place(block_hash)
+
+    def retain(self, hashes: list[bytes]) -> None:
+        self.retained.update(hashes)
+        self.pins.update(hashes)
+        for block_hash in hashes:
+            self._place(block_hash)
+
+    def release(self, hashes: list[bytes]) -> None:
+        """Drop retains (the caller checked they exist), in this order."""
+        for block_hash in hashes:
+            self.retained[block_hash] -= 1
+            if not self.retained[block_hash]:
+                del self.retained[block_hash]
+        self.unpin(hashes)
+
+    def _place(self, block_hash: bytes) -> None:
+        """Put a published hash in the order its pins call for (appended: the newest)."""
+        page = self.published.get(block_hash)
+        if page is None:
+            return
+        pins = self.pins[block_hash]
+        on_host = self.on_host(page)
+        if not pins:
+            self.demotable.pop(block_hash, None)
+            (self.host_evictable if on_host else self.evictable)[block_hash] = None
+        elif not on_host and pins == self.retained[block_hash]:
+            self.evictable.pop(block_hash, None)
+            self.demotable.setdefault(block_hash, None)
+        else:
+            self.demotable.pop(block_hash, None)
+            (self.host_evictable if on_host else self.evictable).pop(block_hash, None)
 
     def problems(self, in_use: set[int], expected_pins: Counter) -> list[str]:
-        """What breaks the invariant, given the pages requests own and the pins they hold."""
-        free, problems = list(self.free), []
-        in_use = in_use | set(self.published.values())
-        if len(set(free)) != len(free) or set(free) & in_use:
-            problems.append("a free page is also in use")
-        if len(free) + len(in_use) != self.num_pages:
-            problems.append(f"{self.num_pages - len(free) - len(in_use)} pages are in no state")
+        """What breaks the invariant, given the device pages requests own and the pins they hold."""
+        problems = []
+        published = set(self.published.values())
+        host_used = {page for page in published if self.on_host(page)}
+        if len(published) != len(self.published):
+            problems.append("two hashes share a page")
+        if in_use & host_used or any(self.on_host(page) for page in in_use):
+            problems.append("a request owns a host page")
+        for free, used, first, count in (
+            (list(self.free), in_use | (published - host_used), 0, self.num_pages),
+            (list(self.host_free), host_used, self.num_pages, self.host_pages),
+        ):
+            if len(set(free)) != len(free) or set(free) & used:
+                problems.append("a free page is also in use")
+            if len(free) + len(used) != count or any(not first <= page < first + count for page in (*free, *used)):
+                problems.append(f"{count - len(free) - len(used)} pages are in no state")
         if +self.pins != expected_pins:
             problems.append("pin counts differ from the requests' hashes plus retained hashes")
-        if set(self.evictable) != {h for h in self.published if self.pins[h] == 0}:
-            problems.append("the evictable set differs from the unpinned published keys")
+        unpinned = {h for h in self.published if self.pins[h] == 0}
+        if set(self.evictable) | set(self.host_evictable) != unpinned or set(self.host_evictable) != {
+            h for h in unpinned if self.on_host(self.published[h])
+        }:
+            problems.append("the evictable sets differ from the unpinned published keys")
+        if set(self.demotable) != {
+            h for h, page in self.published.items() if not self.on_host(page) and 0 < self.pins[h] == self.retained[h]
+        }:
+            problems.append("the demotable set differs from the device-published keys pinned only by retains")
         return problems

@@ -30,10 +30,11 @@ def backend(request) -> str:
 
 @pytest.fixture
 def make_cache(backend):
-    """Factory: ``make_cache(num_pages, page_size=4, row_shape=(3, 2), dtype=torch.uint8)``."""
+    """Factory: ``make_cache(num_pages, page_size=4, row_shape=(3, 2), dtype=torch.uint8, host_pages=0)``."""
 
-    def make(num_pages, page_size=4, row_shape=(3, 2), dtype=torch.uint8):
-        return RoutedExpertsCache(num_pages, page_size, row_shape, dtype=dtype, device=TEST_DEVICE, backend=backend)
+    def make(num_pages, page_size=4, row_shape=(3, 2), dtype=torch.uint8, host_pages=0):
+        return RoutedExpertsCache(num_pages, page_size, row_shape, dtype=dtype, device=TEST_DEVICE, backend=backend,
+                                  host_pages=host_pages)
 
     return make
 

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from routed_experts_cache.connector.page_pool import PagePool
 
 
-def published_pool(num_pages: int, hashes: list[bytes]) -> PagePool:
+def published_pool(num_pages: int, hashes: list[bytes], host_pages: int = 0) -> PagePool:
     """A pool whose first pages are published under ``hashes``, unpinned (evictable) in order."""
-    pool = PagePool(num_pages)
+    pool = PagePool(num_pages, host_pages)
     for block_hash in hashes:
         pool.publish(block_hash, pool.allocate())
         pool.unpin([block_hash])
@@ -63,25 +63,60 @@ def test_discard_frees_pages_whose_rows_cannot_be_trusted():
     assert pool.published == {b"b": 1} and list(pool.evictable) == [b"b"] and list(pool.free) == [0]
 
 
-@settings(max_examples=200, deadline=None)
+HASHES = [b"a", b"b", b"c", b"d", b"e", b"f"]
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     num_pages=st.integers(1, 8),
-    published=st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e"]), unique=True, max_size=5),
-    pinned=st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e"]), max_size=8),
-    unpins=st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e"]), max_size=8),
+    host_pages=st.integers(0, 4),
+    published=st.lists(st.sampled_from(HASHES), unique=True, max_size=6),
+    retained=st.lists(st.sampled_from(HASHES), max_size=6),
+    pinned=st.lists(st.sampled_from(HASHES), max_size=8),
+    unpins=st.lists(st.sampled_from(HASHES), max_size=8),
 )
-def test_next_pages_names_exactly_what_the_allocations_after_the_unpins_take(num_pages, published, pinned, unpins):
-    """The cache writes rows to ``next_pages`` before it unpins and allocates: both must agree."""
+def test_next_pages_names_exactly_what_the_allocations_after_the_unpins_take(
+    num_pages, host_pages, published, retained, pinned, unpins
+):
+    """The cache writes rows to ``next_pages`` (device pages, and the host pages of demoted
+    blocks) before it unpins and allocates: both must agree, evictions and demotions included."""
     published = published[:num_pages]
-    pool = published_pool(num_pages, published)
+    pool = published_pool(num_pages, published, host_pages)
+    pool.retain(retained)
     pool.pin(pinned)
-    unpins = list((Counter(unpins) & pool.pins).elements())  # only pins that are held
+    unpins = list((Counter(unpins) & (pool.pins - pool.retained)).elements())  # only request pins that are held
     releasing = pool.released_by(unpins)
-    count = len(pool.free) + len(pool.evictable) + len(releasing)
-    pages, victims = pool.next_pages(count, releasing)
+    count = pool.room(len(releasing))
+    pages, victims, demotions = pool.next_pages(count, releasing)
+    demoted = list(pool.demotable)[: len(demotions)]
     pool.unpin(unpins)
     assert list(pool.evictable)[len(pool.evictable) - len(releasing) :] == releasing
-    assert victims == list(pool.evictable)[: len(victims)]
+    assert victims[: len(pages) - len(demotions)] == list(pool.evictable)[: len(pages) - len(demotions)]
     assert [pool.allocate() for _ in range(count)] == pages
+    assert [(pages[len(pages) - len(demotions) + i], pool.published[h]) for i, h in enumerate(demoted)] == demotions
     assert not pool.evictable and not pool.free
-    assert len(set(pages)) == len(pages)
+    assert len(set(pages)) == len(pages) and all(page < num_pages for page in pages)
+    assert pool.demotions == len(demotions) and all(pool.on_host(pool.published[h]) for h in demoted)
+
+
+def test_a_retained_block_is_demoted_only_when_the_device_is_full_and_comes_back_evictable_on_the_host():
+    pool = published_pool(2, [b"a", b"b"], host_pages=1)
+    pool.retain([b"a"])
+    assert list(pool.demotable) == [b"a"] and list(pool.evictable) == [b"b"]
+    assert pool.allocate() == 1  # b"b" is evicted first: it is not retained
+    assert pool.allocate() == 0 and pool.published == {b"a": 2} and pool.demotions == 1  # b"a" to the host page
+    pool.pin([b"a"])  # a request reads it there: pinned, not evictable
+    pool.release([b"a"])
+    assert not pool.host_evictable and not pool.demotable
+    pool.unpin([b"a"])
+    assert list(pool.host_evictable) == [b"a"]
+    assert pool.publish(b"a", 1) and pool.published == {b"a": 1} and list(pool.host_free) == [2]  # recomputed
+
+
+def test_a_request_pin_makes_a_retained_block_stay_on_the_device():
+    pool = published_pool(1, [b"a"], host_pages=1)
+    pool.retain([b"a"])
+    pool.pin([b"a"])
+    assert not pool.demotable and pool.room() == 0
+    pool.unpin([b"a"])
+    assert list(pool.demotable) == [b"a"] and pool.room() == 1

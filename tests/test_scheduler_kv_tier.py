@@ -42,6 +42,10 @@ def test_multi_turn_hits_from_the_cpu_tier_are_taken_with_exact_rows(kv_connecto
         assert run.offered_tokens > 2000  # the tier offered the histories the GPU had evicted
     assert ours.accepted_share >= 0.95
     assert builtin.accepted_share < 0.5  # measured 0.07-0.14: its retention is 2 x the GPU KV
+    # The device pool (2 x the GPU KV + working set) could not hold what ours retained: blocks
+    # went to the host tier, and prefix hits read rows from there (all checked above).
+    host = ours.cache_stats
+    assert host["host_pages"] > 0 and host["demotions"] > 0 and host["host_read_rows"] > 0
 
 
 def tier_engine(kv_connector: str, scheduler_connector: str, *, num_blocks: int, tier: int):

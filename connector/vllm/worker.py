@@ -472,9 +472,10 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
     """The pool for this engine: every KV-cached block's rows plus the working set.
 
     With the scheduler's pins (vLLM 0.33, 0.34), it keeps the rows of up to its retention
-    capacity of finished blocks (the GPU's KV blocks plus the KV connector's tier,
+    capacity C of finished blocks (the GPU's KV blocks plus the KV connector's tier,
     ``kv_tiers.retained_blocks``) whether or not their KV is still on the GPU, on top of the
-    blocks live requests hold. On vLLM 0.34 with the
+    blocks live requests hold: up to N (the KV blocks) of them on the device, and all of them,
+    with readers' pins, in a host tier of C + N pages when C exceeds N (a KV connector). On vLLM 0.34 with the
     extensible KV cache, ``num_blocks`` is the reserved capacity (at least the final size).
     ``aux_output_config.max_bytes``, when set, replaces the KV-sized part. The copy backend
     is ``ROUTED_EXPERTS_CACHE_BACKEND`` (auto / triton / torch; auto = Triton on CUDA).
@@ -483,13 +484,18 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
     scheduler_block_size, page_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     row_shape = tuple(capturer.shape_per_token)
     page_nbytes = page_size * math.prod(row_shape) * capturer.output_dtype.itemsize
+    kv_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
+    retained_pages = 0
+    if installed_contract().scheduler_pins:
+        # The scheduler side's retention capacity (scheduler.CacheSchedulerConnector): the GPU's
+        # blocks plus the KV connector's tier. Up to kv_pages of them stay on the device; the host
+        # tier takes every retained block (and a reader's pins on them, which count against its
+        # KV blocks) whenever the device needs their pages.
+        retained_pages = retained_blocks(vllm_config, kv_cache_config) * (scheduler_block_size // page_size)
+    host_pages = retained_pages + kv_pages if retained_pages > kv_pages else 0
     max_bytes = vllm_config.aux_output_config.max_bytes
     if max_bytes is None:
-        kv_pages = kv_cache_config.num_blocks * (scheduler_block_size // page_size)
-        # The scheduler side's retention capacity (scheduler.CacheSchedulerConnector): the GPU's
-        # blocks plus the KV connector's tier.
-        retained_pages = retained_blocks(vllm_config, kv_cache_config) * (scheduler_block_size // page_size)
-        shared_pages = kv_pages + (retained_pages if installed_contract().scheduler_pins else 0)
+        shared_pages = kv_pages + min(retained_pages, kv_pages)
     else:
         shared_pages = max_bytes // page_nbytes
     working_set = working_set_pages(
@@ -505,6 +511,7 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
         shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype,
         device=capturer.device_buffer.device, backend=backend,
         max_position=vllm_config.model_config.max_model_len + drafts,  # drafts may run past the last token
+        host_pages=host_pages,
     )
 
 
@@ -521,9 +528,9 @@ def pool_for_this_rank(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, 
     cache = build_cache(vllm_config, kv_cache_config, capturer)
     logger.info(
         "routed-experts-cache: active; routed experts are served from a %s pool of %d pages x %d rows "
-        "(%.1f MiB, rows %s %s, backend %s)",
+        "(%.1f MiB, rows %s %s, backend %s; host tier %d pages, %.1f MiB)",
         cache.device, cache.num_pages, cache.page_size, cache.pages.nbytes / 2**20, cache.row_shape,
-        cache.dtype, cache.backend,
+        cache.dtype, cache.backend, cache.host_arena.shape[0], cache.host_arena.nbytes / 2**20,
     )
     return cache
 

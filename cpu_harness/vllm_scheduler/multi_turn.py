@@ -42,6 +42,7 @@ class TierRun:
     decisions: dict[str, HitDecision] = field(default_factory=dict)
     requests_checked: int = 0
     rows_checked: int = 0
+    cache_stats: dict = field(default_factory=dict)  # the worker's cache at the end (host tier use)
 
     @property
     def offered_tokens(self) -> int:
@@ -117,5 +118,6 @@ def run_multi_turn(kv_connector: str, scheduler_connector: str, *, conversations
         prompts = [aligned_turn(rng, list(engine.requests[f"c{c}-t{turn}"].all_token_ids), 8, 24)
                    for c in range(conversations)]
     run.rows_checked = engine.stats.rows_checked
+    run.cache_stats = engine.connector.cache.stats()
     engine.close()
     return run
