@@ -567,6 +567,54 @@ class RoutedExpertsCache:
             raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
         self._pages.release(hashes)
 
+    def import_blocks(self, hashes: Iterable[bytes], rows: torch.Tensor) -> int:
+        """Publish rows computed elsewhere (another engine instance's prefill) as full blocks:
+        ``rows[i * page_size : (i + 1) * page_size]`` under ``hashes[i]``. Blocks already
+        published keep their pages. Imported blocks are not pinned: a request that reads them
+        pins them by hash (``add_block_hashes`` before this call). Returns the blocks imported.
+
+        All or nothing: rows and hashes are checked and the room is found before any change.
+        """
+        hashes = as_list(hashes, "imported hashes")
+        check_hashes(hashes, "imported hashes")
+        check_rows("<import>", rows, self.row_shape)
+        size = self.page_size
+        if rows.shape[0] != len(hashes) * size:
+            raise InvalidCaptureError(
+                f"import of {len(hashes)} blocks needs {len(hashes) * size} rows (page size {size}), got {rows.shape[0]}"
+            )
+        if not fits_dtype(rows.dtype, self.dtype):
+            check_row_values(rows, [("<import>", 0, 0, rows.shape[0])], self.dtype)
+        new, seen = [], set()
+        for i, block_hash in enumerate(hashes):  # each hash once, those not published yet
+            if block_hash not in self._pages.published and block_hash not in seen:
+                seen.add(block_hash)
+                new.append(i)
+        if not new:
+            return 0
+        if len(new) > self._pages.room():
+            raise CacheFullError(
+                f"import of {len(new)} blocks needs {len(new)} pages; only {self._pages.room()} free, evictable "
+                f"or demotable of {self.num_pages}"
+            )
+        source_words = self._source_words(rows)
+        pages, victims, demotions = self._pages.next_pages(len(new), [])
+        try:
+            if demotions:
+                device_pages, host_pages = (list(column) for column in zip(*demotions))
+                self.host_arena[[page - self.num_pages for page in host_pages]] = self.pages[device_pages].cpu()
+            lengths = np.full(len(new), size, dtype=np.int64)
+            self._copy_on_device(source_words, self._pool_words, lengths, np.array(new) * size, np.array(pages) * size)
+        except Exception:
+            self._pages.discard(victims)
+            raise
+        for i in new:
+            block_hash = hashes[i]
+            self._pages.publish(block_hash, self._pages.allocate())
+            self._pages.unpin([block_hash])  # no publisher holds it: readers pin it by hash
+        self._counters["imported_rows"] += len(new) * size
+        return len(new)
+
     def _pinned_hashes(self, request: _Request) -> list[bytes]:
         """The hashes a request pins, in block order: its prefix blocks (every hash before its
         first capture) and its own blocks whose page is the published one."""
@@ -828,6 +876,7 @@ class RoutedExpertsCache:
             "captured_rows": self._counters["captured_rows"],
             "read_rows": self._counters["read_rows"],
             "host_read_rows": self._counters["host_read_rows"],
+            "imported_rows": self._counters["imported_rows"],
             "rewound_rows": self._counters["rewound_rows"],
         }
 

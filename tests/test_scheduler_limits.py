@@ -59,6 +59,7 @@ class Config:
     async_scheduling: bool
     kv_connector: bool
     seed: int
+    kv_tier: str = ""  # a real CPU-offload connector instead of the stub, its tier 4 x the GPU KV
 
 
 # Every speculative mode meets sync and async scheduling; the KV connector (which forces
@@ -74,6 +75,8 @@ CONFIGS = [
     Config("mtp1-L1-async", 1, 1, True, False, 8),
     Config("mtp2-L2-sync", 2, 2, False, False, 9),
     Config("mtp2-L2-async", 2, 2, True, False, 10),
+    Config("nospec-sync-offload", 0, 0, False, False, 11, kv_tier="OffloadingConnector"),
+    Config("nospec-async-cpu", 0, 0, True, False, 12, kv_tier="SimpleCPUOffloadConnector"),
 ]
 
 # Tiny engine: 40 KV blocks of 4 tokens (160 tokens) for up to 4 running requests.
@@ -99,6 +102,9 @@ class Row:
     peak_retained: int = 0
     capacity: int = 0
     evictions: int = 0
+    host_pages: int = 0  # the host tier (with a KV connector)
+    peak_demoted: int = 0  # host pages in use, at most
+    demotions: int = 0
     cache_full: int = 0
     seconds: float = 0.0
     error: str = ""
@@ -114,14 +120,14 @@ def print_table():
         return
     header = (f"{'configuration':<18} {'steps':>6} {'reqs':>5} {'turns':>5} {'preempt':>7} {'ext tok':>7} "
               f"{'non-evictable/pool':>18} {'in-use/pool':>11} {'retained/cap':>12} {'evict':>6} "
-              f"{'CacheFull':>9} {'s':>5}")
+              f"{'host/pool':>9} {'demote':>6} {'CacheFull':>9} {'s':>5}")
     print("\n\nlimits tier (vLLM 0.33 scheduler, tiny KV cache, our connector sized by build_cache)")
     print(header)
     for row in TABLE:
         print(f"{row.config:<18} {row.steps:>6} {row.requests:>5} {row.turns:>5} {row.preemptions:>7} "
               f"{row.external_tokens:>7} {row.peak_non_evictable:>9}/{row.pool:<8} "
               f"{row.peak_in_use:>5}/{row.pool:<5} {row.peak_retained:>6}/{row.capacity:<5} {row.evictions:>6} "
-              f"{row.cache_full:>9} {row.seconds:>5.1f}" + (f"  ERROR {row.error}" if row.error else ""))
+              f"{row.peak_demoted:>4}/{row.host_pages:<4} {row.demotions:>6} {row.cache_full:>9} {row.seconds:>5.1f}" + (f"  ERROR {row.error}" if row.error else ""))
 
 
 class PageMeter:
@@ -132,6 +138,7 @@ class PageMeter:
         self.aux = engine.scheduler.aux_output_connector
         self.row = row
         row.pool = self.cache.num_pages
+        row.host_pages = self.cache.stats()["host_pages"]
         row.capacity = self.aux._capacity
         engine.runner.after_begin_step.append(self.sample)
         engine.runner.after_output.append(self.sample)
@@ -143,6 +150,8 @@ class PageMeter:
         row.peak_in_use = max(row.peak_in_use, in_use)
         row.peak_non_evictable = max(row.peak_non_evictable, in_use - stats["evictable"])
         row.peak_retained = max(row.peak_retained, len(self.aux._kv_cached))
+        row.peak_demoted = max(row.peak_demoted, stats["demoted"])
+        row.demotions = stats["demotions"]
 
 
 @dataclass
@@ -216,6 +225,7 @@ def run_config(config: Config, steps: int) -> Row:
         num_blocks=NUM_BLOCKS, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BATCHED, max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK,
         kv_connector={"load_mode": "alternate", "async_load_steps": 1} if config.kv_connector else None,
+        kv_tier=(config.kv_tier, 4 * NUM_BLOCKS) if config.kv_tier else None,
     )
     engine = SimEngine(setup, build_our_connector(setup), seed=config.seed)
     meter = PageMeter(engine, row)
@@ -257,7 +267,9 @@ def run_config(config: Config, steps: int) -> Row:
         row.turns = traffic.turns
         row.preemptions = sum(engine.num_preemptions.values())
         row.evictions = engine.connector.cache.stats()["evictions"]
-        if setup.kv_worker is not None:
+        if config.kv_tier:
+            row.external_tokens = BLOCK * sum(len(load.block_ids) for load in setup.kv_worker.loads)
+        elif setup.kv_worker is not None:
             row.external_tokens = setup.scheduler.connector.stats["loaded_tokens"]
         row.seconds = time.perf_counter() - started
         TABLE.append(row)
@@ -277,9 +289,11 @@ def test_limits_tiny_kv_cache(config):
     assert row.preemptions > 0
     assert row.peak_retained == row.capacity
     assert row.turns > 0
-    if config.kv_connector:
+    if config.kv_connector or config.kv_tier:
         assert row.external_tokens > 0
-    assert row.peak_in_use <= row.pool
+    if config.kv_tier:  # retention beyond the device pool's share: the host tier takes it
+        assert row.demotions > 0
+    assert row.peak_in_use <= row.pool and row.peak_demoted <= row.host_pages
 
 
 # ---------------------------------------------------------------- the schedule

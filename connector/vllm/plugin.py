@@ -3,9 +3,11 @@
 vLLM loads this in every process (the engine core before it builds its scheduler). On
 supported versions (``vllm_versions.CONTRACTS``) it swaps the worker-side factory
 ``get_aux_output_connector`` (which Model Runner V2 imports by name) for ours, which takes every
-supported release's call shape, and, where the scheduler pins blocks for the worker (0.33+),
-vLLM's scheduler-side ``AuxOutputSchedulerConnector`` for ``scheduler.CacheSchedulerConnector``
-(in its source module and in the scheduler module, which imports it by name).
+supported release's call shape, and vLLM's scheduler-side ``AuxOutputSchedulerConnector`` (in
+its source module and in the scheduler module, which imports it by name) for
+``scheduler.CacheSchedulerConnector`` where the scheduler pins blocks for the worker (0.33+),
+``row_transfer.RowTransferConnector`` on 0.32; it wraps ``Scheduler._connector_finished`` so a
+prefill's returned ``kv_transfer_params`` carry its rows (``row_transfer``).
 ``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path.
 """
 
@@ -59,6 +61,21 @@ def switched_on() -> bool:
     return _SWITCH_VALUES[value]
 
 
+def _exporting_rows(original):
+    """``Scheduler._connector_finished`` (vLLM 0.32-0.34: ``(request) -> (delay_free_blocks,
+    kv_transfer_params)``), with the request's exported rows added to the parameters."""
+
+    def connector_finished(scheduler, request):
+        delay_free_blocks, params = original(scheduler, request)
+        aux = scheduler.aux_output_connector
+        if hasattr(aux, "exported_params"):
+            params = aux.exported_params(request, params)
+        return delay_free_blocks, params
+
+    connector_finished.exports_rows = True
+    return connector_finished
+
+
 def register() -> bool:
     """Install the cache-backed connectors; return whether they are active."""
     if not switched_on():
@@ -85,9 +102,13 @@ def register() -> bool:
     if runner is not None:
         runner.get_aux_output_connector = vllm_worker.get_aux_output_connector
     if contract_for(vllm.__version__).scheduler_pins:
-        from .scheduler import CacheSchedulerConnector
-
-        for module in SCHEDULER_CONNECTOR_SITES:
-            importlib.import_module(module).AuxOutputSchedulerConnector = CacheSchedulerConnector
+        from .scheduler import CacheSchedulerConnector as scheduler_connector
+    else:
+        from .row_transfer import RowTransferConnector as scheduler_connector
+    for module in SCHEDULER_CONNECTOR_SITES:
+        importlib.import_module(module).AuxOutputSchedulerConnector = scheduler_connector
+    scheduler_class = importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler
+    if not getattr(scheduler_class._connector_finished, "exports_rows", False):
+        scheduler_class._connector_finished = _exporting_rows(scheduler_class._connector_finished)
     logger.debug("routed-experts-cache: connectors installed on vLLM %s", vllm.__version__)
     return True

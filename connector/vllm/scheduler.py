@@ -16,6 +16,8 @@ may use of a prefix hit is decided here:
   the others.
 - **Whole-prompt hits are accepted** when rows cover every block: the recomputed last token
   starts inside the last block, whose rows the worker seeds from the published page.
+- **Rows cross a prefill/decode split** (``row_transfer``): a prefill exports a request's rows
+  in its ``kv_transfer_params``, a decode's hit may use rows it imported from there.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
 from .kv_tiers import retained_blocks, takes_partial_hits
+from .row_transfer import RowTransfer
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class CacheSchedulerConnector(AuxOutputSchedulerConnector):
+class CacheSchedulerConnector(RowTransfer, AuxOutputSchedulerConnector):
     """Pins blocks whose KV may come back, so their rows are there when it does.
 
     ``_kv_cached`` (block -> its hash keys) is the set of retained blocks and its order is the
@@ -47,6 +50,7 @@ class CacheSchedulerConnector(AuxOutputSchedulerConnector):
         vllm_config = kv_connector._vllm_config if kv_connector is not None else None
         self._capacity = retained_blocks(vllm_config, kv_cache_manager.kv_cache_config)
         self._cuts_partial_hits = takes_partial_hits(kv_connector)
+        self._init_row_transfer(vllm_config, self._block_size)
 
     def covered_tokens(self, request: Request) -> int:
         """Tokens of the request's longest prefix whose every block has rows (retained, or
@@ -75,7 +79,7 @@ class CacheSchedulerConnector(AuxOutputSchedulerConnector):
         if num_external <= 0:
             return 0
         num_hit = num_local + num_external
-        covered = self.covered_tokens(request)
+        covered = max(self.covered_tokens(request), self.imported_tokens(request))
         if num_hit % self._block_size == 0 and num_hit <= covered:
             return num_external
         if not self._cuts_partial_hits:
@@ -83,10 +87,14 @@ class CacheSchedulerConnector(AuxOutputSchedulerConnector):
         usable = min(covered, num_hit) // self._block_size * self._block_size
         return max(usable - num_local, 0)
 
+    def build_connector_meta(self, scheduler_output, requests):
+        return self.with_imports(super().build_connector_meta(scheduler_output, requests), requests)
+
     def request_finished(self, request: Request) -> None:
         """Queue the terminal event; retain the request's GPU-cached computed blocks, last
         block first in the release order."""
         self._loading.pop(request.request_id, None)
+        self.forget_import(request.request_id)
         num_blocks = request.num_computed_tokens // self._block_size
         blocks = list(islice(self._kv_blocks(request.block_hashes), num_blocks))
         for block, keys in reversed(blocks):

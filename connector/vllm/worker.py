@@ -237,12 +237,29 @@ class CacheWorkerConnector:
                 self._track([request_ids[i] for i in new.tolist()], emit_starts[new])
             if hashed_ids:
                 self._cache.add_block_hashes_batch(hashed_ids, hash_lists)
+            imports = getattr(metadata, "imported_rows", None)
+            if imports:
+                self._import_rows(imports, dict(zip(hashed_ids, hash_lists)))
             finished = [r for r in metadata.finished_requests if r in self._slot_of]
             if finished:
                 finished_slots = self._slots(finished)
                 self._finished[finished_slots] = True
                 for i in (self._pending[finished_slots] == 0).nonzero()[0].tolist():
                     self._teardown(finished[i])
+
+    def _import_rows(self, imports: dict, hashes_of: dict) -> None:
+        """Publish rows a prefill instance computed (``row_transfer``) under the requests' own
+        block hashes, after the requests pinned them. An import that does not fit this pool
+        (row shape, dtype, ids) is not used: the rows it would cover stay unavailable, and a
+        read of them fails closed."""
+        size = self._cache.page_size
+        for request_id, rows in imports.items():
+            hashes = hashes_of.get(request_id, [])
+            num_blocks = min(len(rows) // size, len(hashes))
+            try:
+                self._cache.import_blocks(hashes[:num_blocks], torch.from_numpy(np.ascontiguousarray(rows[: num_blocks * size])))
+            except RoutedExpertsCacheError as error:
+                logger.warning("routed-experts-cache: request %s: imported rows not used: %s", request_id, error)
 
     def _check_metadata(
         self, metadata: AuxOutputConnectorMetadata, request_ids: list, emit_starts: np.ndarray

@@ -89,6 +89,7 @@ class SimEngine:
         self.chunks: dict[str, list[np.ndarray]] = {}
         self.finished: dict[str, str] = {}
         self.finish_order: list[str] = []  # request ids in the order their finish reached the client
+        self.kv_transfer_params: dict[str, dict | None] = {}  # what each finished request returned
         self.aborted: set[str] = set()
         self.num_preemptions = Counter()
         self.engine_steps = 0  # step() calls that did something (schedule and/or consume an output)
@@ -147,6 +148,7 @@ class SimEngine:
                     self.chunks[output.request_id].append(np.asarray(output.routed_experts))
                 if output.finish_reason is not None:
                     self.finished[output.request_id] = str(output.finish_reason)
+                    self.kv_transfer_params[output.request_id] = output.kv_transfer_params
                     self.finish_order.append(output.request_id)
 
     def _update(self, scheduler_output, model_output) -> None:

@@ -50,7 +50,10 @@ from .toy_model import HarnessError
 CONNECTOR_NAME = "StubKVConnector"
 MODULE_PATH = __name__  # vLLM imports the connector class from here
 LOAD_MODES = ("sync", "async", "alternate")
-_OPTIONS = {"load_mode", "async_load_steps", "store_blocks", "min_hit_blocks", "keeps_lookahead_hashes"}
+_OPTIONS = {"load_mode", "async_load_steps", "store_blocks", "min_hit_blocks", "keeps_lookahead_hashes", "shared_store"}
+# Stores shared by name between scheduler instances of this process: a prefill instance saves,
+# a decode instance loads (a P/D pair, as ExampleConnector's shared storage path).
+SHARED_STORES: dict[str, OrderedDict] = {}
 
 
 class StubConnectorError(HarnessError):
@@ -59,15 +62,19 @@ class StubConnectorError(HarnessError):
 
 def kv_transfer_config(*, load_mode: str = "alternate", async_load_steps: int = 1, store_blocks: int | None = None,
                        min_hit_blocks: int = 1, kv_load_failure_policy: str = "recompute",
-                       keeps_lookahead_hashes: bool = False) -> KVTransferConfig:
+                       keeps_lookahead_hashes: bool = False, shared_store: str | None = None) -> KVTransferConfig:
     """The ``KVTransferConfig`` that makes vLLM load ``StubKVConnector`` from this module.
 
     ``keeps_lookahead_hashes``: the connector opts in to lookahead block hashing (vLLM 0.34's
     ``supports_lookahead_block_hashes``, as its Mooncake and CPU-offload connectors do); vLLM
     0.33 has no such opt-in and turns lookahead off with any KV connector.
+
+    ``shared_store``: a name; instances built with the same name share their store (``SHARED_STORES``),
+    so one engine's finished requests are another engine's external hits (prefill / decode).
     """
     extra = {"load_mode": load_mode, "async_load_steps": async_load_steps, "store_blocks": store_blocks,
-             "min_hit_blocks": min_hit_blocks, "keeps_lookahead_hashes": keeps_lookahead_hashes}
+             "min_hit_blocks": min_hit_blocks, "keeps_lookahead_hashes": keeps_lookahead_hashes,
+             "shared_store": shared_store}
     _check_options(extra)
     return KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_connector_module_path=MODULE_PATH, kv_role="kv_both",
@@ -80,7 +87,9 @@ def _check_options(extra: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise StubConnectorError(f"unknown stub connector options {sorted(unknown)}")
     options = {"load_mode": "alternate", "async_load_steps": 1, "store_blocks": None, "min_hit_blocks": 1,
-               "keeps_lookahead_hashes": False, **extra}
+               "keeps_lookahead_hashes": False, "shared_store": None, **extra}
+    if options["shared_store"] is not None and type(options["shared_store"]) is not str:
+        raise StubConnectorError(f"shared_store must be None or a name, got {options['shared_store']!r}")
     if type(options["keeps_lookahead_hashes"]) is not bool:
         raise StubConnectorError(f"keeps_lookahead_hashes must be a bool, got {options['keeps_lookahead_hashes']!r}")
     if options["load_mode"] not in LOAD_MODES:
@@ -155,7 +164,8 @@ class StubKVConnector(KVConnectorBase_V1):
         self.block_size: int = groups[0].kv_cache_spec.block_size
         self.stats: Counter = Counter()
         # scheduler side
-        self._store: OrderedDict[bytes, None] = OrderedDict()
+        shared = options["shared_store"]
+        self._store: OrderedDict[bytes, None] = SHARED_STORES.setdefault(shared, OrderedDict()) if shared else OrderedDict()
         self._matched: dict[str, tuple[int, int, bool]] = {}  # request -> (local tokens, external tokens, async)
         self._jobs: list[LoadJob] = []
         self._num_hits = 0

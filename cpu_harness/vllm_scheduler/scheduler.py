@@ -228,8 +228,11 @@ def make_scheduler(
 
 
 def make_request(setup: SchedulerSetup, request_id: str, prompt: list[int], max_tokens: int,
-                 prompt_start: int = 0) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, routed_experts_prompt_start=prompt_start)
+                 prompt_start: int = 0, kv_transfer_params: dict | None = None) -> Request:
+    """``kv_transfer_params`` travel as vLLM's entrypoints pass them: ``SamplingParams.extra_args``."""
+    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, routed_experts_prompt_start=prompt_start,
+                            extra_args=extra_args)
     return Request(
         request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params, pooling_params=None,
         block_hasher=setup.block_hasher,
