@@ -82,14 +82,15 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serve(model_dir, log_path, plugin: bool = True, extra_env=None, startup_timeout: float = 600.0):
+def serve(model_dir, log_path, plugin: bool = True, extra_env=None, startup_timeout: float = 600.0, extra_args=()):
     """Start the server for ``model_dir``; yield a ``Server`` once it answers ``/health``.
 
     ``plugin=False`` sets ``ROUTED_EXPERTS_CACHE=0`` (vLLM's built-in routed-experts path).
-    The server's stdout and stderr (its workers' too) go to ``log_path``.
+    The server's stdout and stderr (its workers' too) go to ``log_path``; ``extra_args`` are
+    appended to its command line (e.g. ``--kv-transfer-config``).
     """
     with tempfile.TemporaryDirectory(prefix="vllm-server-") as work:
-        yield from _serve(Path(work), model_dir, Path(log_path), plugin, extra_env or {}, startup_timeout)
+        yield from _serve(Path(work), model_dir, Path(log_path), plugin, extra_env or {}, startup_timeout, list(extra_args))
 
 
 def server_env(work: Path, base: dict) -> dict:
@@ -121,12 +122,13 @@ def server_command(work: Path, model_dir, port: int, host: str = "127.0.0.1", na
     ]  # fmt: skip
 
 
-def _serve(work: Path, model_dir, log_path: Path, plugin: bool, extra_env: dict, startup_timeout: float):
+def _serve(work: Path, model_dir, log_path: Path, plugin: bool, extra_env: dict, startup_timeout: float,
+           extra_args: list[str]):
     port = _free_port()
     env = server_env(work, dict(os.environ, VLLM_CACHE_ROOT=str(work / "vllm-cache")))
     env["ROUTED_EXPERTS_CACHE"] = "1" if plugin else "0"
     env.update(extra_env)
-    command = server_command(work, model_dir, port)
+    command = server_command(work, model_dir, port) + extra_args
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
