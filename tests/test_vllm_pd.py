@@ -68,3 +68,72 @@ def test_a_decode_without_the_prefills_rows_fails_closed(pd_run):
     returncode, error = pd_run["without"]
     assert returncode == 1
     assert "RangeUnavailableError" in error and "is unavailable; available:" in error
+
+
+# The same split over HTTP: two OpenAI servers sharing KV through the ExampleConnector, and the
+# minimal proxy of examples/pd_proxy.py in front of them (it forwards kv_transfer_params unchanged).
+
+
+def _load_proxy():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pd_proxy", ROOT / "examples" / "pd_proxy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def pd_served(model_dirs, tmp_path_factory):
+    import contextlib
+    import threading
+
+    from cpu_harness.openai_server import serve
+
+    work = tmp_path_factory.mktemp("pd-server")
+    transfer = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"shared_storage_path": str(work / "kv")}})
+    args = ["--kv-transfer-config", transfer, "--enable-prompt-tokens-details"]
+    proxy_module = _load_proxy()
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(10, 200, size=n)] for n in PROMPT_LENGTHS]
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(serve(model_dirs[0], work / "prefill.log", extra_args=args))
+        decode = stack.enter_context(serve(model_dirs[0], work / "decode.log", extra_args=args))
+        proxy = proxy_module.make_proxy(prefill.base_url[: -len("/v1")], decode.base_url[: -len("/v1")])
+        stack.callback(proxy.server_close)
+        stack.callback(proxy.shutdown)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        proxied = f"http://127.0.0.1:{proxy.server_port}"
+        body = {"model": "tiny-moe", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        answers = [json.loads(proxy_module.post(f"{proxied}/v1/completions", body | {"prompt": p})[1]) for p in prompts]
+        # The decode server alone, with a prefilled prompt but no parameters: last, as it may stop the server.
+        rng_other = np.random.default_rng(2)
+        other = [int(t) for t in rng_other.integers(10, 200, size=50)]
+        proxy_module.post(f"{prefill.base_url}/completions", body | {"prompt": other, "max_tokens": 1})
+        without = proxy_module.post(f"{decode.base_url}/completions", body | {"prompt": other})
+    return {"prompts": prompts, "answers": answers, "without": without,
+            "decode_log": (work / "decode.log").read_text(errors="replace")}
+
+
+def test_over_http_through_the_proxy_rows_cover_the_whole_sequence_with_the_prompt_loaded(pd_served, hf_reference):
+    import base64
+    import io
+
+    for prompt, answer in zip(pd_served["prompts"], pd_served["answers"]):
+        assert "choices" in answer, answer
+        choice = answer["choices"][0]
+        tokens = choice["prompt_token_ids"] + choice["token_ids"]
+        assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 8
+        rows = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+        assert rows.shape == (len(tokens) - 1, 2, 2)
+        expected = hf_reference(tokens)[: len(tokens) - 1]
+        mismatched = np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+        assert mismatched.size == 0, f"prompt of {len(prompt)}: rows {mismatched[:10]} differ"
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the KV came from the prefill
+
+
+def test_over_http_a_decode_without_the_prefills_rows_returns_no_rows(pd_served):
+    status, payload = pd_served["without"]
+    assert status != 200 and b"routed_experts" not in payload
+    assert "RangeUnavailableError" in pd_served["decode_log"]
