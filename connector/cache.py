@@ -267,9 +267,7 @@ class RoutedExpertsCache:
         source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
         seeds = self._plan_seeds(plans, new_pages[:num_new_pages])
         try:
-            if demotions:  # first: the demoted blocks' rows reach the host before their pages are reused
-                device_pages, host_pages = (list(column) for column in zip(*demotions))
-                self.host_arena[[page - self.num_pages for page in host_pages]] = self.pages[device_pages].cpu()
+            self._demote(demotions)  # first: the demoted blocks' rows reach the host before their pages are reused
             if seeds:  # then, while the published pages they copy are intact
                 self._copy_seeds(seeds)
             self._copy_on_device(source_words, self._pool_words, lengths, source_rows, target_rows)
@@ -292,6 +290,13 @@ class RoutedExpertsCache:
                 if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
                     self._settle(request)
         self._counters["captured_rows"] += int(lengths.sum())
+
+    def _demote(self, demotions: list[tuple[int, int]]) -> None:
+        """Copy the rows of blocks moving to the host tier, ``(device page, host page)`` pairs,
+        with one device-to-host copy."""
+        if demotions:
+            device_pages, host_pages = (list(column) for column in zip(*demotions))
+            self.host_arena[[page - self.num_pages for page in host_pages]] = self.pages[device_pages].cpu()
 
     def _check_room(self, plans: list[tuple], num_new_pages: int, batch, batch_new: int, releasing: int) -> None:
         """Refuse a capture that needs more new pages than are free or evictable."""
@@ -600,9 +605,7 @@ class RoutedExpertsCache:
         source_words = self._source_words(rows)
         pages, victims, demotions = self._pages.next_pages(len(new), [])
         try:
-            if demotions:
-                device_pages, host_pages = (list(column) for column in zip(*demotions))
-                self.host_arena[[page - self.num_pages for page in host_pages]] = self.pages[device_pages].cpu()
+            self._demote(demotions)
             lengths = np.full(len(new), size, dtype=np.int64)
             self._copy_on_device(source_words, self._pool_words, lengths, np.array(new) * size, np.array(pages) * size)
         except Exception:
