@@ -346,6 +346,7 @@ class RoutedExpertsCache:
         for length, source, target in seeds:
             if self._pages.on_host(source):
                 self.pages[target, :length] = self.host_arena[source - self.num_pages, :length].to(self.device)
+                self._counters["host_read_rows"] += length
 
     def _plan_segments(self, plans: list[tuple], new_pages: list[int]):
         """``(source_rows, target_rows, lengths)`` of the planned spans, one segment per page
@@ -874,6 +875,7 @@ class RoutedExpertsCache:
             "host_pages": self._pages.host_pages,
             "demoted": self._pages.host_pages - len(self._pages.host_free),
             "demotions": self._pages.demotions,
+            "host_evictions": self._pages.host_evictions,
             "published_blocks": self._pages.published_blocks,
             "prefix_hit_rows": self._counters["prefix_hit_rows"],
             "captured_rows": self._counters["captured_rows"],

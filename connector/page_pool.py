@@ -35,7 +35,8 @@ class PagePool:
         self.evictable: OrderedDict[bytes, None] = OrderedDict()
         self.host_evictable: OrderedDict[bytes, None] = OrderedDict()
         self.demotable: OrderedDict[bytes, None] = OrderedDict()
-        self.evictions = 0
+        self.evictions = 0  # device and host
+        self.host_evictions = 0
         self.demotions = 0
         self.published_blocks = 0
 
@@ -61,6 +62,7 @@ class PagePool:
             return self.host_free.popleft()
         block_hash, _ = self.host_evictable.popitem(last=False)
         self.evictions += 1
+        self.host_evictions += 1
         return self.published.pop(block_hash)
 
     def room(self, releasing: int = 0) -> int:

@@ -52,7 +52,8 @@ lane_b() {
   run_tier "3 vLLM 0.34 scheduler (two-step set-up, lookahead hashing, limits, roll-backs)" .venv-vllm034 \
     tests/test_scheduler_*.py || status=1
   run_tier "4 triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
-    tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py || status=1
+    tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py \
+    tests/test_host_tier.py tests/test_host_tier_stateful.py || status=1
   return $status
 }
 

@@ -284,7 +284,7 @@ class CacheMachine(RuleBasedStateMachine):
             "requests": sum(1 for r in self.live.values() if r.registered),
             "generation": self.generation,
             "evictions": self.counters["evictions"],
-            "host_pages": 0, "demoted": 0, "demotions": 0, "host_read_rows": 0,  # no host tier in this model
+            "host_pages": 0, "demoted": 0, "demotions": 0, "host_evictions": 0, "host_read_rows": 0,  # no host tier in this model
             "imported_rows": 0,
             "published_blocks": self.counters["published_blocks"],
             "prefix_hit_rows": self.counters["prefix_hit_rows"],
