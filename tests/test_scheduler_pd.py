@@ -107,3 +107,44 @@ def test_rows_over_the_size_limit_are_not_exported(monkeypatch):
     assert params["r"] is None or ROWS_KEY not in params["r"]
     decode(d_setup, d_engine, prompts, {"r": params["r"]} if params["r"] else {})
     assert run.decisions["r"].accepted == 0  # recomputed
+
+
+def _config_with(connector: str, prefix_caching: bool = True):
+    """A VllmConfig with routed experts on and ``connector`` as its KV connector."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.config.aux_output import AuxOutputConfig
+
+    from cpu_harness.vllm_scheduler.scheduler import _model_dir
+
+    return VllmConfig(
+        model_config=ModelConfig(model=_model_dir(1), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
+        cache_config=CacheConfig(block_size=16, enable_prefix_caching=prefix_caching),
+        device_config=DeviceConfig(device="cpu"), aux_output_config=AuxOutputConfig(enable_return_routed_experts=True),
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both"),
+    )
+
+
+def test_nixl_is_refused_with_routed_experts_unless_the_user_opts_in(monkeypatch):
+    """vLLM refuses NIXL-class P/D connectors with routed experts; the plugin keeps that refusal
+    unless ``ROUTED_EXPERTS_CACHE_PD_CONNECTORS`` is on, and lifts nothing else."""
+    from routed_experts_cache import RoutedExpertsCacheError
+    from routed_experts_cache.connector.vllm import plugin
+
+    assert plugin.register()
+    monkeypatch.delenv(plugin.PD_CONNECTORS_SWITCH, raising=False)
+    with pytest.raises(ValueError, match="incompatible with NixlConnector; PD auxiliary output is not supported"):
+        _config_with("NixlConnector")
+    monkeypatch.setenv(plugin.PD_CONNECTORS_SWITCH, "0")
+    with pytest.raises(ValueError, match="incompatible with NixlConnector"):
+        _config_with("NixlConnector")
+    monkeypatch.setenv(plugin.PD_CONNECTORS_SWITCH, "1")
+    config = _config_with("NixlConnector")
+    assert config.kv_transfer_config.kv_connector == "NixlConnector"
+    assert config.aux_output_config.enable_return_routed_experts
+    with pytest.raises(ValueError, match="requires prefix caching"):  # vLLM's other checks still hold
+        _config_with("NixlConnector", prefix_caching=False)
+    monkeypatch.setenv(plugin.PD_CONNECTORS_SWITCH, "sometimes")  # refused at start, and at the check
+    with pytest.raises(RoutedExpertsCacheError, match="ROUTED_EXPERTS_CACHE_PD_CONNECTORS='sometimes' is not understood"):
+        plugin.register()
+    with pytest.raises(ValueError, match="ROUTED_EXPERTS_CACHE_PD_CONNECTORS='sometimes' is not understood"):
+        _config_with("NixlConnector")

@@ -8,7 +8,9 @@ its source module and in the scheduler module, which imports it by name) for
 ``scheduler.CacheSchedulerConnector`` where the scheduler pins blocks for the worker (0.33+),
 ``row_transfer.RowTransferConnector`` on 0.32; it wraps ``Scheduler._connector_finished`` so a
 prefill's returned ``kv_transfer_params`` carry its rows (``row_transfer``).
-``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path.
+``ROUTED_EXPERTS_CACHE=0`` keeps vLLM's built-in path. ``ROUTED_EXPERTS_CACHE_PD_CONNECTORS=1``
+lifts vLLM's refusal of NIXL-class P/D connectors with routed experts (an explicit opt-in; off
+by default).
 """
 
 import logging
@@ -20,6 +22,12 @@ from ...errors import RoutedExpertsCacheError
 from .versions import contract_for, supported_series
 
 ENV_SWITCH = "ROUTED_EXPERTS_CACHE"
+PD_CONNECTORS_SWITCH = "ROUTED_EXPERTS_CACHE_PD_CONNECTORS"
+_CONFIG_MODULE = "vllm.config.vllm"
+# The end of the error VllmConfig._verify_aux_output_compatibility raises for NIXL / MoRIIO /
+# Mooncake P/D connectors (0.32-0.34); that check is the method's last, so every other check
+# has passed when it is raised.
+_PD_REFUSAL = "PD auxiliary output is not supported."
 _WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 _RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 SCHEDULER_CONNECTOR_SITES = ("vllm.distributed.aux_output_connector.connector", "vllm.v1.core.sched.scheduler")
@@ -46,19 +54,28 @@ def is_supported(version: str) -> bool:
     return contract_for(version) is not None
 
 
-def switched_on() -> bool:
-    """``ROUTED_EXPERTS_CACHE``: unset, 1 / true / on (any case) -> on; 0 / false / off -> off.
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: 1 / true / on or 0 / false / off, any case.
 
     Any other value stops vLLM's start (plugins run unguarded there) with a message naming the
     accepted values, rather than silently choosing a path.
     """
-    raw = os.environ.get(ENV_SWITCH, "1")
+    raw = os.environ.get(name, "1" if default else "0")
     value = raw.strip().lower()
     if value not in _SWITCH_VALUES:
-        raise RoutedExpertsCacheError(
-            f"{ENV_SWITCH}={raw!r} is not understood; use 1, true or on (the default) or 0, false or off"
-        )
+        on, off = ("1, true or on (the default)", "0, false or off") if default else ("1, true or on", "0, false or off (the default)")
+        raise RoutedExpertsCacheError(f"{name}={raw!r} is not understood; use {on} or {off}")
     return _SWITCH_VALUES[value]
+
+
+def switched_on() -> bool:
+    """``ROUTED_EXPERTS_CACHE``: unset or on -> the cache serves routed experts."""
+    return _switch(ENV_SWITCH, default=True)
+
+
+def pd_connectors_allowed() -> bool:
+    """``ROUTED_EXPERTS_CACHE_PD_CONNECTORS``: on -> NIXL-class P/D connectors are admitted."""
+    return _switch(PD_CONNECTORS_SWITCH, default=False)
 
 
 def _exporting_rows(original):
@@ -76,6 +93,27 @@ def _exporting_rows(original):
     return connector_finished
 
 
+def _admitting_pd_connectors(original):
+    """``VllmConfig._verify_aux_output_compatibility`` (0.32-0.34), admitting the P/D connectors
+    it refuses when ``ROUTED_EXPERTS_CACHE_PD_CONNECTORS`` is on (read at each check): the rows
+    then travel in the ``kv_transfer_params`` those connectors' proxies forward."""
+
+    def verify(config):
+        try:
+            original(config)
+        except ValueError as error:
+            if not str(error).endswith(_PD_REFUSAL) or not pd_connectors_allowed():
+                raise
+            _log_state(
+                logging.WARNING, "routed-experts-cache: %s=1 admits a P/D connector vLLM refuses with routed "
+                "experts (%s); the prefill's rows travel in its kv_transfer_params, a decode without them recomputes",
+                PD_CONNECTORS_SWITCH, config.kv_transfer_config.kv_connector,
+            )
+
+    verify.admits_pd_connectors = True
+    return verify
+
+
 def register() -> bool:
     """Install the cache-backed connectors; return whether they are active."""
     if not switched_on():
@@ -84,6 +122,7 @@ def register() -> bool:
             os.environ[ENV_SWITCH],
         )
         return False
+    pd_connectors_allowed()  # a value that is not understood stops the start here
     import vllm
 
     if not is_supported(vllm.__version__):
@@ -110,5 +149,10 @@ def register() -> bool:
     scheduler_class = importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler
     if not getattr(scheduler_class._connector_finished, "exports_rows", False):
         scheduler_class._connector_finished = _exporting_rows(scheduler_class._connector_finished)
+    config_class = importlib.import_module(_CONFIG_MODULE).VllmConfig
+    if not getattr(config_class._verify_aux_output_compatibility, "admits_pd_connectors", False):
+        config_class._verify_aux_output_compatibility = _admitting_pd_connectors(
+            config_class._verify_aux_output_compatibility
+        )
     logger.debug("routed-experts-cache: connectors installed on vLLM %s", vllm.__version__)
     return True
