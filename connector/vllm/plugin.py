@@ -106,7 +106,8 @@ def _admitting_pd_connectors(original):
                 raise
             _log_state(
                 logging.WARNING, "routed-experts-cache: %s=1 admits a P/D connector vLLM refuses with routed "
-                "experts (%s); the prefill's rows travel in its kv_transfer_params, a decode without them recomputes",
+                "experts (%s); the prefill's rows travel in its kv_transfer_params, a decode without them recomputes "
+                "(0.33, 0.34) or fails closed (0.32)",
                 PD_CONNECTORS_SWITCH, config.kv_transfer_config.kv_connector,
             )
 
