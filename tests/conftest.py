@@ -22,6 +22,33 @@ from routed_experts_cache import RoutedExpertsCache  # noqa: E402
 if not ON_CPU and not torch.cuda.is_available():
     raise RuntimeError(f"ROUTED_EXPERTS_TEST_DEVICE={TEST_DEVICE!r} but CUDA is not available")
 
+def rows_differing_from(rows, expected):
+    """Positions whose routed experts (any order within a row) differ from Hugging Face's sorted ids."""
+    import numpy as np
+
+    return np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+
+
+def run_state_machine(machine, budget: dict) -> None:
+    """Run a Hypothesis state machine deterministically (no database, one shrunk failure) on one
+    intra-op thread: every tensor is tiny, and thread wake-ups cost ~ms per op on a loaded
+    2-core machine (results do not depend on the thread count)."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_state_machine_as_test(machine, settings=settings(
+            deadline=None, derandomize=True, database=None, print_blob=False,
+            report_multiple_bugs=False,  # shrink one failure only (stateful shrinking is slow)
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+            **budget,
+        ))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["torch", "triton"])
 def backend(request) -> str:
     """The cache's copy backend; 'triton' runs under the interpreter on CPU."""

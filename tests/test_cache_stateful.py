@@ -39,8 +39,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 import torch
-from conftest import TEST_DEVICE
-from hypothesis import HealthCheck, settings
+from conftest import TEST_DEVICE, run_state_machine
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -48,7 +47,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from routed_experts_cache import (
@@ -874,29 +872,7 @@ class CacheMachine(RuleBasedStateMachine):
 def test_cache_against_the_model(backend):
     counts = Counter()
     machine = type(f"CacheMachine_{backend}", (CacheMachine,), {"BACKEND": backend, "COUNTS": counts})
-    # every tensor here is tiny: one intra-op thread avoids thread wake-ups that cost ~ms per
-    # op on a loaded 2-core machine (results do not depend on the thread count)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                deadline=None,
-                derandomize=True,
-                database=None,
-                print_blob=False,
-                report_multiple_bugs=False,  # shrink one failure only (stateful shrinking is slow)
-                suppress_health_check=[
-                    HealthCheck.too_slow,
-                    HealthCheck.data_too_large,
-                    HealthCheck.filter_too_much,
-                ],
-                **BUDGETS[backend],
-            ),
-        )
-    finally:
-        torch.set_num_threads(threads)
+    run_state_machine(machine, BUDGETS[backend])
     print(f"\n[{backend}] " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     # the run must have exercised what it is here for (deterministic: derandomize=True)
     for what in (

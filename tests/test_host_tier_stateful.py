@@ -26,10 +26,9 @@ from collections import Counter
 from functools import lru_cache
 
 import torch
-from conftest import TEST_DEVICE
-from hypothesis import HealthCheck, settings
+from conftest import TEST_DEVICE, run_state_machine
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from routed_experts_cache import CacheFullError, RoutedExpertsCache
 
@@ -248,16 +247,7 @@ class HostTierMachine(RuleBasedStateMachine):
 def test_the_host_tier_under_random_traffic(backend):
     counts = Counter()
     machine = type(f"HostTierMachine_{backend}", (HostTierMachine,), {"BACKEND": backend, "COUNTS": counts})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_state_machine_as_test(machine, settings=settings(
-            deadline=None, derandomize=True, database=None, print_blob=False, report_multiple_bugs=False,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-            **BUDGETS[backend],
-        ))
-    finally:
-        torch.set_num_threads(threads)
+    run_state_machine(machine, BUDGETS[backend])
     print(f"\n[{backend}] " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if not k.startswith("_")))
     for what in ("demotions", "reads_from_host", "seeds_from_host", "whole_prompt_hits", "prefix_hits",
                  "cache_full", "imports", "releases", "host_evictions", "resets"):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import rows_differing_from
 
 from cpu_harness.scenarios import SCENARIOS
 
@@ -63,7 +64,7 @@ def test_rows_match_hugging_face(runs, hf_reference, scenario):
         assert rows is not None, request["request_id"]
         assert rows.shape == (len(tokens) - 1 - start, 2, 2) and rows.dtype == np.uint8
         expected = hf_reference(tokens)[start : len(tokens) - 1]
-        mismatched = np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+        mismatched = rows_differing_from(rows, expected)
         assert mismatched.size == 0, f"{scenario} {request['request_id']}: rows {mismatched[:10]} differ"
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import rows_differing_from
+from test_vllm_server import decode_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LENGTHS = (73, 64, 40)  # block 32: a partial last block, a block-aligned prompt, a short one
@@ -59,7 +61,7 @@ def test_decode_rows_cover_the_whole_sequence_equal_to_hugging_face_without_reco
         tokens, rows = result["tokens"], np.array(result["rows"], dtype=np.uint8)
         assert tokens[: len(prompt)] == prompt and rows.shape == (len(tokens) - 1, 2, 2)
         expected = hf_reference(tokens)[: len(tokens) - 1]
-        mismatched = np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+        mismatched = rows_differing_from(rows, expected)
         assert mismatched.size == 0, f"prompt of {len(prompt)}: rows {mismatched[:10]} differ"
         assert result["num_cached_tokens"] > 0  # the prompt's KV came from the prefill (seen: 64, 32, 32)
 
@@ -117,18 +119,15 @@ def pd_served(model_dirs, tmp_path_factory):
 
 
 def test_over_http_through_the_proxy_rows_cover_the_whole_sequence_with_the_prompt_loaded(pd_served, hf_reference):
-    import base64
-    import io
-
     for prompt, answer in zip(pd_served["prompts"], pd_served["answers"]):
         assert "choices" in answer, answer
         choice = answer["choices"][0]
         tokens = choice["prompt_token_ids"] + choice["token_ids"]
         assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 8
-        rows = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+        rows = decode_rows(choice["routed_experts"])
         assert rows.shape == (len(tokens) - 1, 2, 2)
         expected = hf_reference(tokens)[: len(tokens) - 1]
-        mismatched = np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+        mismatched = rows_differing_from(rows, expected)
         assert mismatched.size == 0, f"prompt of {len(prompt)}: rows {mismatched[:10]} differ"
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the KV came from the prefill
 

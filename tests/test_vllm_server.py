@@ -13,6 +13,7 @@ import io
 import numpy as np
 import openai
 import pytest
+from conftest import rows_differing_from
 
 from cpu_harness.openai_server import ServerFailed, processes_in_group, serve
 from cpu_harness.tiny_moe import prompt_text
@@ -111,7 +112,7 @@ def test_every_row_over_http_matches_hugging_face(served, hf_reference):
         tokens, start, rows = record["token_ids"], record["prompt_start"], record["rows"]
         assert rows.shape == (len(tokens) - 1 - start, 2, 2) and rows.dtype == np.uint8, (i, record["kind"])
         expected = hf_reference(tokens)[start : len(tokens) - 1]
-        mismatched = np.flatnonzero((np.sort(rows, axis=-1) != expected).any(axis=(1, 2)))
+        mismatched = rows_differing_from(rows, expected)
         assert mismatched.size == 0, f"record {i} ({record['kind']}): rows {mismatched[:10]} differ from Hugging Face"
 
 
