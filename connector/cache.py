@@ -28,6 +28,7 @@ cover (first captures, prefix reads), which take the per-request path (``_plan_c
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import accumulate, chain
 from math import prod
 
 import numpy as np
@@ -45,6 +46,13 @@ from .request_slots import RequestSlots
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
 # Positions fit int32, as in vLLM's batch arrays; far beyond any model's context length.
 DEFAULT_MAX_POSITION = 2**31
+# Up to this many continuing spans per capture, plain Python over them costs less than the
+# fixed set of array passes that the vectorised path makes (bench/bench_host.py).
+SMALL_BATCH = 48
+
+
+def _as_rows(rows: torch.Tensor) -> torch.Tensor:
+    return rows
 
 
 class _Request:
@@ -129,7 +137,10 @@ class RoutedExpertsCache:
                 f"cannot allocate the pool ({num_pages} pages x {page_size} rows of {row_shape} {dtype}) on "
                 f"{device}, with {host_pages} host pages: {error}"
             ) from error
-        self._pool_words = as_row_words(self.pages.view(num_pages * page_size, -1))
+        # What the copy backend moves: Triton rows as aligned words (wide accesses), torch rows
+        # as they are (its index copies take any row shape; uint16 has none on CPU: words too).
+        self._copy_view = _as_rows if backend == "torch" and dtype != torch.uint16 else as_row_words
+        self._pool_words = self._copy_view(self.pages.view(num_pages * page_size, *row_shape))
         self._copy = load_triton_copy() if backend == "triton" else copy_segments_torch
         if backend == "triton" and not interpreting():
             precompile_triton_copy(self._pool_words)  # no compile stalls once serving starts
@@ -231,16 +242,56 @@ class RoutedExpertsCache:
         if plans or batch is not None:
             self._write(plans, num_new_pages, self._source_words(source), batch)
 
+    def capture_step(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
+                     source_starts: np.ndarray, counts: np.ndarray) -> None:
+        """``capture_batch`` for an engine step whose invariants the caller has established.
+
+        The worker connector derives these from vLLM's batch arrays and its own state, and
+        checks them once per step where they arise; this call does not check them again:
+        ``source`` is a dense ``[rows, *row_shape]`` tensor of a dtype the pool holds;
+        ``slots`` come from ``slots()`` for ``request_ids``, live and distinct; ``starts``,
+        ``source_starts`` and ``counts`` are int64 arrays of the same length with every span
+        inside ``source`` (``counts >= 0``); a request that has captured before continues at its
+        cursor (``cursors(slots)``). Checked here as in ``capture_batch``: first captures (one
+        by one: a start inside a block needs that block published), ``max_position``, room.
+        """
+        ends = starts + counts
+        if len(ends) and ends.max() > self.max_position:
+            i = int(ends.argmax())
+            self._check_span(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i]), source.shape[0])
+        first = (self._slots.first_block[slots] < 0).nonzero()[0]
+        plans, num_new_pages = [], 0
+        if len(first):
+            plans, num_new_pages = self._plan_captures(source.shape[0], [
+                (request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i])) for i in first.tolist()
+            ])
+            keep = self._slots.first_block[slots] >= 0
+            slots, starts, source_starts, counts, ends = slots[keep], starts[keep], source_starts[keep], counts[keep], ends[keep]
+        batch = None
+        if len(slots):
+            new_pages = -(-ends // self.page_size) + (-starts // self.page_size)  # blocks begun past the cursor
+            batch = (slots, starts, source_starts, counts, new_pages)
+        if plans or batch is not None:
+            self._write(plans, num_new_pages, self._source_words(source), batch)
+
+    def cursors(self, slots: np.ndarray) -> np.ndarray:
+        """The next position each request captures (its rows are ``[.., cursor)``); -1 for a
+        request that has not captured yet. ``slots`` from ``slots()``, unchecked."""
+        return np.where(self._slots.first_block[slots] >= 0, self._slots.cursor[slots], -1)
+
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
-        """The rows to copy, on the pool's device in its dtype, as aligned contiguous words.
+        """The rows to copy, on the pool's device in its dtype, contiguous and aligned, in the
+        copy backend's view (words for Triton).
 
         Runs before any state changes: a source that cannot be converted fails the call.
         """
+        if source.dtype == self.dtype and source.device == self.device and source.is_contiguous() and not source.data_ptr() % 16:
+            return self._copy_view(source)  # the engine's case: a step's rows as the capturer holds them
         try:
             rows = source.to(self.device, self.dtype).contiguous()
             if rows.data_ptr() % 16:  # a storage offset: word views and wide loads need alignment
                 rows = rows.clone()
-            return as_row_words(rows)
+            return self._copy_view(rows)
         except (RuntimeError, NotImplementedError, TypeError) as error:
             raise InvalidCaptureError(
                 f"rows on {source.device} ({source.dtype}) cannot be copied to the pool on "
@@ -250,22 +301,27 @@ class RoutedExpertsCache:
     def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch=None) -> None:
         """Copy the planned rows into their pages, then commit the bookkeeping.
 
-        ``plans`` come from ``_plan_captures``; ``batch`` (from ``capture_batch``) holds
-        continuing spans as arrays ``(slots, starts, source_starts, counts, new_pages)``.
-        Nothing is changed before the copy: its target pages are chosen by looking ahead at
-        the pages the allocation below will take (free ones first, then the oldest
-        evictable, including pages that first captures of this call stop pinning), planned
-        spans first, then the batch.
+        ``plans`` come from ``_plan_captures``; ``batch`` holds continuing spans as arrays
+        ``(slots, starts, source_starts, counts, new_pages)``. Nothing is changed before the
+        copy: its target pages are chosen by looking ahead at the pages the allocation below
+        will take (free ones first, then the oldest evictable, including pages that first
+        captures of this call stop pinning), planned spans first, then the batch.
         """
         batch_new = int(batch[4].sum()) if batch is not None else 0
-        releasing = self._pages.released_by(self._first_capture_unpins(plans))
+        releasing = self._pages.released_by(self._first_capture_unpins(plans)) if plans else []
         self._check_room(plans, num_new_pages, batch, batch_new, len(releasing))
         new_pages, victims, demotions = self._pages.next_pages(num_new_pages + batch_new, releasing)
-        segments = [self._plan_segments(plans, new_pages[:num_new_pages])]
+        seeds, segments = [], []
+        if plans:
+            segments.append(self._plan_segments(plans, new_pages[:num_new_pages]))
+            seeds = self._plan_seeds(plans, new_pages[:num_new_pages])
         if batch is not None:
-            segments.append(self._batch_segments(batch, new_pages[num_new_pages:]))
-        source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
-        seeds = self._plan_seeds(plans, new_pages[:num_new_pages])
+            *batch_segments, table_slots, table_blocks, completed = self._continuing_segments(batch, new_pages[num_new_pages:])
+            segments.append(batch_segments)
+        if len(segments) == 1:
+            source_rows, target_rows, lengths = segments[0]
+        else:
+            source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
         try:
             self._demote(demotions)  # first: the demoted blocks' rows reach the host before their pages are reused
             if seeds:  # then, while the published pages they copy are intact
@@ -276,20 +332,21 @@ class RoutedExpertsCache:
             raise
         # Every page is taken before any block settles: settling frees and pins pages, which
         # would change which pages the allocation takes from the ones the copy wrote.
-        self._start_first_captures(plans)
-        pages = [self._pages.allocate() for _ in range(num_new_pages + batch_new)]
-        self._commit_captures(plans, pages[:num_new_pages])
+        if plans:
+            self._start_first_captures(plans)  # before allocating: pages they release are taken too
+        pages = self._pages.allocate_many(num_new_pages + batch_new)
+        if plans:
+            self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
-            self._commit_batch(batch, pages[num_new_pages:])
+            self._commit_batch(batch, pages[num_new_pages:], table_slots, table_blocks)
         for _, request, *_ in plans:
             self._settle(request)
-        if batch is not None:  # only requests that completed a block can have one to settle
-            slots, starts, _, counts, _ = batch
-            for slot in slots[(starts + counts) // self.page_size > starts // self.page_size].tolist():
-                request = self._slots.requests[slot]
-                if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
-                    self._settle(request)
-        self._counters["captured_rows"] += int(lengths.sum())
+        requests = self._slots.requests
+        for slot in completed if batch is not None else ():  # only these can have a block to settle
+            request = requests[slot]
+            if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
+                self._settle(request)
+        self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
     def _demote(self, demotions: list[tuple[int, int]]) -> None:
         """Copy the rows of blocks moving to the host tier, ``(device page, host page)`` pairs,
@@ -373,21 +430,61 @@ class RoutedExpertsCache:
                 position = run_end
         return np.array(seg_source_row, dtype=np.int64), np.array(seg_target_row, dtype=np.int64), np.diff(seg_start)
 
-    def _batch_segments(self, batch, new_pages: list[int]):
-        """``(source_rows, target_rows, lengths)`` of the continuing spans, vectorised: a
-        block the request already has a page for reads it from the block table, a new block
-        takes the next of ``new_pages`` (in span order)."""
+    def _continuing_segments(self, batch, new_pages: list[int]):
+        """``(source_rows, target_rows, lengths, table_slots, table_blocks, completed)`` of the
+        continuing spans: one segment per page run (a block the request has a page for reads
+        it from its block map, a new block takes the next of ``new_pages``, in span order), the
+        table cells the new pages fill (slot, own block), and the slots whose span completed a
+        block. Plain Python over the spans for a few dozen of them (cheaper than a fixed set of
+        array passes), vectorised above that; both give the same result."""
+        if len(batch[0]) <= SMALL_BATCH:
+            return self._continuing_segments_small(batch, new_pages)
         slots, starts, source_starts, counts, num_new = batch
         size, table = self.page_size, self._slots.table
-        span, block, first, end = self._page_runs(starts, starts + counts)
+        ends = starts + counts
+        span, block, first, end = self._page_runs(starts, ends)
         first_new = -(-starts // size)  # the span's first block without a page yet
         is_new = block >= first_new[span]
-        new_offset = (np.cumsum(num_new) - num_new)[span] + block - first_new[span]
         own_block = block - self._slots.first_block[slots[span]]  # the table's column
-        old_page = table[slots[span], np.minimum(own_block, table.shape[1] - 1)]
-        new_page = np.array(new_pages, dtype=np.int64)[np.where(is_new, new_offset, 0)] if new_pages else 0
-        page = np.where(is_new, new_page, old_page)
-        return source_starts[span] + first - starts[span], page * size + first - block * size, end - first
+        page = table[slots[span], np.minimum(own_block, table.shape[1] - 1)]
+        if new_pages:
+            page[is_new] = new_pages
+        completed = slots[ends // size > starts // size].tolist()
+        source_rows = source_starts[span] + first - starts[span]
+        return source_rows, page * size + first - block * size, end - first, slots[span][is_new], own_block[is_new], completed
+
+    def _continuing_segments_small(self, batch, new_pages: list[int]):
+        """``_continuing_segments`` in plain Python over the spans (lists, no arrays)."""
+        slots, starts, source_starts, counts, _ = batch
+        size, requests, taken = self.page_size, self._slots.requests, 0
+        source_rows, target_rows, lengths, table_slots, table_blocks, completed = [], [], [], [], [], []
+        for slot, start, source_row, count in zip(slots.tolist(), starts.tolist(), source_starts.tolist(), counts.tolist()):
+            if not count:
+                continue
+            request = requests[slot]
+            pages, first_block = request.own_pages, request.first_block
+            position, end = start, start + count
+            if end // size > start // size:
+                completed.append(slot)
+            while position < end:
+                block = position // size
+                own_block = block - first_block
+                if own_block < len(pages):
+                    page = pages[own_block]
+                else:
+                    page = new_pages[taken]
+                    taken += 1
+                    table_slots.append(slot)
+                    table_blocks.append(own_block)
+                run_end = block * size + size
+                if run_end > end:
+                    run_end = end
+                source_rows.append(source_row)
+                target_rows.append(page * size + position - block * size)
+                lengths.append(run_end - position)
+                source_row += run_end - position
+                position = run_end
+        return source_rows, target_rows, lengths, table_slots, table_blocks, completed
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):
         """Split intervals ``[starts[i], ends[i])`` at page boundaries, vectorised.
@@ -402,18 +499,16 @@ class RoutedExpertsCache:
         block = first_block[span] + np.arange(len(span)) - np.repeat(np.cumsum(runs) - runs, runs)
         return span, block, np.maximum(starts[span], block * size), np.minimum(ends[span], block * size + size)
 
-    def _commit_batch(self, batch, pages: list[int]) -> None:
-        """Apply the continuing spans of ``capture_batch``: new pages into the block maps and
-        the block table, cursors (Python per new page only; blocks settle in ``_write``)."""
-        slots, starts, _, counts, num_new = batch
+    def _commit_batch(self, batch, pages: list[int], table_slots, table_blocks) -> None:
+        """Apply the continuing spans: new pages into the block maps and the block table (at
+        the cells ``_continuing_segments`` named), cursors. Python per new page only; blocks
+        settle in ``_write``."""
+        slots, starts, _, counts, _ = batch
         if pages:
-            first_new = -(-starts // self.page_size) - self._slots.first_block[slots]  # as own blocks
-            offsets = np.cumsum(num_new) - num_new
-            page_slots = np.repeat(slots, num_new)
-            own_blocks = np.repeat(first_new, num_new) + np.arange(len(pages)) - np.repeat(offsets, num_new)
-            self._slots.set_pages(page_slots, own_blocks, pages)
-            for slot, page in zip(page_slots.tolist(), pages):  # in block order per request
-                self._slots.requests[slot].own_pages.append(page)
+            self._slots.set_pages(table_slots, table_blocks, pages)
+            requests = self._slots.requests
+            for slot, page in zip(table_slots if type(table_slots) is list else table_slots.tolist(), pages):
+                requests[slot].own_pages.append(page)  # in block order per request
         self._slots.cursor[slots] = starts + counts
 
     def _first_capture_unpins(self, plans: list[tuple]) -> list[bytes]:
@@ -457,13 +552,20 @@ class RoutedExpertsCache:
         """One host-to-device descriptor copy, one kernel launch; segment i copies
         ``lengths[i]`` rows from ``seg_source_row[i]`` to ``seg_target_row[i]``."""
         n = len(lengths)
-        descriptor = np.empty(3 * n + 1, dtype=np.int32)
-        descriptor[0] = 0
-        np.cumsum(lengths, out=descriptor[1 : n + 1])
-        descriptor[n + 1 : 2 * n + 1] = seg_source_row
-        descriptor[2 * n + 1 :] = seg_target_row
-        on_device = torch.from_numpy(descriptor).to(self.device, non_blocking=True)
-        self._copy(source, target, on_device[: n + 1], on_device[n + 1 : 2 * n + 1], on_device[2 * n + 1 :], int(descriptor[n]))
+        if type(lengths) is list:  # the small-batch path's segments: one conversion, no array passes
+            descriptor = np.fromiter(chain((0,), accumulate(lengths), seg_source_row, seg_target_row), np.int32, 3 * n + 1)
+        else:
+            descriptor = np.empty(3 * n + 1, dtype=np.int32)
+            descriptor[0] = 0
+            descriptor[1 : n + 1] = np.cumsum(lengths)
+            descriptor[n + 1 : 2 * n + 1] = seg_source_row
+            descriptor[2 * n + 1 :] = seg_target_row
+        if self.device.type == "cpu":  # three views of the host array
+            parts = map(torch.from_numpy, (descriptor[: n + 1], descriptor[n + 1 : 2 * n + 1], descriptor[2 * n + 1 :]))
+        else:  # one host-to-device copy, sliced there
+            on_device = torch.from_numpy(descriptor).to(self.device, non_blocking=True)
+            parts = (on_device[: n + 1], on_device[n + 1 : 2 * n + 1], on_device[2 * n + 1 :])
+        self._copy(source, target, *parts, int(descriptor[n]))
 
     def _plan_captures(self, num_source_rows: int, spans) -> tuple[list[tuple], int]:
         """Check every span against the request cursors as they will be; change nothing.
@@ -540,7 +642,11 @@ class RoutedExpertsCache:
     def add_block_hashes_batch(self, request_ids: Sequence, hash_lists: Sequence[Iterable[bytes]]) -> None:
         """``add_block_hashes(request_ids[i], hash_lists[i])`` for every i, in order; every
         id and hash is checked before any is added (an engine step's hashes in one call)."""
-        request_ids, hash_lists = checked_hash_lists(request_ids, hash_lists)
+        self.add_block_hashes_step(*checked_hash_lists(request_ids, hash_lists))
+
+    def add_block_hashes_step(self, request_ids: list, hash_lists: list[list[bytes]]) -> None:
+        """``add_block_hashes_batch`` for an engine step whose ids and hashes the caller has
+        checked: lists as ``checks.checked_hash_lists`` returns them."""
         size = self.page_size
         for request_id, hashes in zip(request_ids, hash_lists):
             request = self._requests.get(request_id)
@@ -564,13 +670,29 @@ class RoutedExpertsCache:
         check_hashes(hashes, "retained hashes")
         self._pages.retain(hashes)
 
+    def pin_step(self, retained: list[bytes], released: list[bytes]) -> None:
+        """``retain(retained)``, then ``release(released)``, for an engine step whose hashes the
+        caller has checked (lists of non-empty bytes). A release of hashes that are not retained
+        then refuses both: nothing changes."""
+        self._pages.retain(retained)
+        try:
+            self._check_retained(released)
+        except RoutedExpertsCacheError:
+            self._pages.release(retained)
+            raise
+        self._pages.release(released)
+
+    def _check_retained(self, hashes: list[bytes]) -> None:
+        if hashes:
+            missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained[h] < n]
+            if missing:
+                raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
+
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
         hashes = as_list(hashes, "released hashes")
         check_hashes(hashes, "released hashes")
-        missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained[h] < n]
-        if missing:
-            raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
+        self._check_retained(hashes)
         self._pages.release(hashes)
 
     def import_blocks(self, hashes: Iterable[bytes], rows: torch.Tensor) -> int:
@@ -670,22 +792,25 @@ class RoutedExpertsCache:
         slots = self._slots.checked(request_ids, slots)
         n, size = len(request_ids), self.page_size
         starts, ends = (index_array(v, w, n, RangeUnavailableError) for v, w in ((starts, "starts"), (ends, "ends")))
-        first_block = self._slots.first_block[slots]
-        own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
-        own &= ends <= self._slots.cursor[slots]
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
-        pick = own.nonzero()[0]
-        span, block, first, end = self._page_runs(starts[pick], ends[pick])
-        pages = self._slots.table[slots[pick][span], block - first_block[pick][span]]
-        source_rows, target_rows = [pages * size + first - block * size], [offsets[pick][span] + first - starts[pick][span]]
-        lengths = [end - first]
-        others = (~own).nonzero()[0].tolist()
-        if others:  # one Python walk per interval: segments land at their packed offsets directly
+        source_rows, target_rows, lengths, others = [], [], [], range(n)
+        if n > SMALL_BATCH:  # intervals within a request's own rows located with array passes
+            first_block = self._slots.first_block[slots]
+            own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
+            own &= ends <= self._slots.cursor[slots]
+            pick = own.nonzero()[0]
+            span, block, first, end = self._page_runs(starts[pick], ends[pick])
+            pages = self._slots.table[slots[pick][span], block - first_block[pick][span]]
+            source_rows.append(pages * size + first - block * size)
+            target_rows.append(offsets[pick][span] + first - starts[pick][span])
+            lengths.append(end - first)
+            others = (~own).nonzero()[0].tolist()
+        if others or not lengths:  # one Python walk per interval: segments land at their packed offsets directly
             seg_source_row, seg_target_row, seg_end = [], [], []
-            for i in others:
-                seg_start = [int(offsets[i])]
-                self._append_segments(request_ids[i], starts[i].item(), ends[i].item(), seg_source_row, seg_start)
+            for i, start, end, offset in zip(others, starts[others].tolist(), ends[others].tolist(), offsets[others].tolist()):
+                seg_start = [offset]
+                self._append_segments(request_ids[i], start, end, seg_source_row, seg_start)
                 seg_target_row += seg_start[:-1]
                 seg_end += seg_start[1:]
             source_rows.append(np.array(seg_source_row, dtype=np.int64))
@@ -693,17 +818,20 @@ class RoutedExpertsCache:
             lengths.append(np.array(seg_end, dtype=np.int64) - target_rows[-1])
         total = int(offsets[-1])
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
-        lengths, source_rows, target_rows = (np.concatenate(parts) for parts in (lengths, source_rows, target_rows))
+        if len(lengths) > 1:
+            lengths, source_rows, target_rows = (np.concatenate(parts) for parts in (lengths, source_rows, target_rows))
+        else:
+            (lengths,), (source_rows,), (target_rows,) = lengths, source_rows, target_rows
         host_rows = self.num_pages * size
         from_host = source_rows >= host_rows
-        if from_host.any():  # blocks demoted to the host tier: gathered there, one copy to the device
+        if self._pages.host_pages and from_host.any():  # blocks demoted to the host tier: gathered there, one copy to the device
             runs = lengths[from_host]
             within = np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)
             rows = self.host_arena.view(-1, *self.row_shape)[np.repeat(source_rows[from_host] - host_rows, runs) + within]
             packed[torch.from_numpy(np.repeat(target_rows[from_host], runs) + within).to(self.device)] = rows.to(self.device)
             lengths, source_rows, target_rows = lengths[~from_host], source_rows[~from_host], target_rows[~from_host]
             self._counters["host_read_rows"] += int(runs.sum())
-        self._copy_on_device(self._pool_words, as_row_words(packed), lengths, source_rows, target_rows)
+        self._copy_on_device(self._pool_words, self._copy_view(packed), lengths, source_rows, target_rows)
         self._counters["read_rows"] += total
         return packed, offsets
 

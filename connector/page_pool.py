@@ -57,6 +57,12 @@ class PagePool:
         self.demotions += 1
         return page
 
+    def allocate_many(self, count: int) -> list[int]:
+        """``allocate()`` ``count`` times (a plain pop per page while free pages last)."""
+        if count <= len(self.free):
+            return [self.free.popleft() for _ in range(count)]
+        return [self.allocate() for _ in range(count)]
+
     def _host_page(self) -> int:
         if self.host_free:
             return self.host_free.popleft()

@@ -49,6 +49,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from routed_experts_cache.connector import cache as cache_module
 from routed_experts_cache import (
     CacheFullError,
     InvalidCaptureError,
@@ -68,7 +69,7 @@ RESET_EVERY = 20  # a reset is allowed only this many steps after the previous o
 # per-backend example budgets: together ~thousands of steps; the Triton interpreter is slower
 BUDGETS = {
     "torch": dict(max_examples=300, stateful_step_count=50),
-    "triton": dict(max_examples=60, stateful_step_count=40),
+    "triton": dict(max_examples=80, stateful_step_count=40),
 }
 
 
@@ -495,6 +496,8 @@ class CacheMachine(RuleBasedStateMachine):
         full = need > self._free() + len(self.evictable) + releasing
 
         apis = ["capture_batch"] + (["capture"] if len(items) == 1 else [])
+        if all(r.registered for r, _, _ in items) and len({r.rid for r, _, _ in items}) == len(items):
+            apis.append("capture_step")  # the engine's call: live, distinct requests, checked spans
         api = data.draw(st.sampled_from(apis), label="api")
         row_dtype = data.draw(st.sampled_from([torch.int64, self.dtype]), label="row_dtype")
         chunks = [r.rows[start : start + n].to(row_dtype, copy=True) for r, start, n in items]
@@ -514,14 +517,19 @@ class CacheMachine(RuleBasedStateMachine):
                     parts.append(c)
                     spans.append((r.rid, start, offset + pad, n))
                     offset += pad + n
-                if batch_slots is None and data.draw(st.booleans(), label="zero_span"):  # a no-op span
+                if batch_slots is None and api != "capture_step" and data.draw(st.booleans(), label="zero_span"):  # a no-op span
                     spans.insert(data.draw(st.integers(0, len(spans)), label="zero_at"), (GHOST_ID, 1, 0, 0))
                 ids, starts, source_starts, counts = zip(*spans)
-                as_array = data.draw(st.sampled_from([np.array, torch.tensor, list]), label="arrays")
-                self.cache.capture_batch(
-                    torch.cat(parts), list(ids), as_array(starts), as_array(source_starts), as_array(counts),
-                    slots=batch_slots,
-                )
+                if api == "capture_step":
+                    self.cache.capture_step(torch.cat(parts), list(ids), self.cache.slots(ids), *(
+                        np.array(values, dtype=np.int64) for values in (starts, source_starts, counts)))
+                    self._count("step_captures")
+                else:
+                    as_array = data.draw(st.sampled_from([np.array, torch.tensor, list]), label="arrays")
+                    self.cache.capture_batch(
+                        torch.cat(parts), list(ids), as_array(starts), as_array(source_starts), as_array(counts),
+                        slots=batch_slots,
+                    )
         except CacheFullError:
             assert full, f"CacheFullError; the model has {self._free()} free + {len(self.evictable)} for {need}"
             self._assert_unchanged(snapshot)
@@ -879,6 +887,17 @@ def test_cache_against_the_model(backend):
         "prefix_attaches", "late_hit_hashes", "restarts", "preemptions", "duplicate_blocks", "evictions",
         "cache_full", "batched_captures", "reads_ok", "reads_unavailable", "retains", "releases", "resets",
         "hash_deliveries", "invalid_captures", "bad_releases", "replaced_blocks", "first_capture_unpins",
-        "rewinds", *(["rewinds_into_prefix"] if backend == "torch" else []),  # rarer: the larger budget
+        "rewinds", "step_captures", *(["rewinds_into_prefix"] if backend == "torch" else []),  # rarer: the larger budget
     ):
+        assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"
+
+
+def test_cache_against_the_model_with_array_passes_only(monkeypatch):
+    """The same machine with every batch on the vectorised paths (``SMALL_BATCH`` 0), which
+    the engine takes above a few dozen requests: they must agree with the model as well."""
+    monkeypatch.setattr(cache_module, "SMALL_BATCH", 0)
+    counts = Counter()
+    machine = type("CacheMachine_array_passes", (CacheMachine,), {"BACKEND": "torch", "COUNTS": counts})
+    run_state_machine(machine, BUDGETS["torch"])
+    for what in ("batched_captures", "step_captures", "reads_ok", "reads_unavailable", "rewinds"):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from threading import Lock
 from typing import TYPE_CHECKING
 
@@ -37,7 +37,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from ..cache import RoutedExpertsCache
-from ..checks import checked_hash_lists
+from ..checks import all_hashes, check_hashes, checked_hash_lists
 from ...errors import RoutedExpertsCacheError
 from .kv_tiers import retained_blocks
 from .side_stream import SideStream
@@ -90,6 +90,20 @@ def unpack_hashes(packed) -> list[bytes]:
     if type(data) is bytes and type(size) is int and size > 0:
         return [data[i : i + size] for i in range(0, len(data), size)]
     return list(packed)
+
+
+def checked_step_hashes(metadata) -> tuple[list, list[list[bytes]], list[bytes], list[bytes]]:
+    """A step's block hashes ``(request ids, hash lists)`` and its retained and released
+    hashes, unpacked and checked once (non-empty bytes; the first bad one named)."""
+    hashed_ids = list(metadata.block_hashes)
+    hash_lists = list(map(unpack_hashes, metadata.block_hashes.values()))
+    retained = unpack_hashes(getattr(metadata, "retained_block_hashes", None) or ())
+    released = unpack_hashes(getattr(metadata, "released_block_hashes", None) or ())
+    if not all_hashes(list(chain(retained, released, *hash_lists))):
+        checked_hash_lists(hashed_ids, hash_lists)
+        check_hashes(retained, "retained hashes")
+        check_hashes(released, "released hashes")
+    return hashed_ids, hash_lists, retained, released
 
 
 def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_concurrent_batches: int) -> int:
@@ -147,6 +161,7 @@ class CacheWorkerConnector:
         self._scheduled_cursor = np.zeros(0, dtype=np.int64)  # end of what last ran, drafts included
         self._pending = np.zeros(0, dtype=np.int64)  # step outputs in flight covering the request
         self._finished = np.zeros(0, dtype=bool)  # terminal event seen; teardown once pending is 0
+        self._awaiting_teardown: set[str] = set()  # finished, with step outputs still in flight
 
     def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
         """Start tracking new requests: take their cache slots and reset those slots' state."""
@@ -220,9 +235,7 @@ class CacheWorkerConnector:
             request_ids = list(metadata.requests)
             emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
             new_generation, slots = self._check_metadata(metadata, request_ids, emit_starts)
-            hashed_ids, hash_lists = checked_hash_lists(
-                list(metadata.block_hashes), list(map(unpack_hashes, metadata.block_hashes.values()))
-            )
+            hashed_ids, hash_lists, retained, released = checked_step_hashes(metadata)
             self._step_metadata = metadata
             if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
@@ -230,22 +243,28 @@ class CacheWorkerConnector:
                 self._cache.reset()
                 self._clear()
                 self._generation = metadata.generation
-            else:
-                self._apply_pins(metadata)
+            elif retained or released:
+                self._cache.pin_step(retained, released)
             new = (slots < 0).nonzero()[0]
             if len(new):
                 self._track([request_ids[i] for i in new.tolist()], emit_starts[new])
             if hashed_ids:
-                self._cache.add_block_hashes_batch(hashed_ids, hash_lists)
+                self._cache.add_block_hashes_step(hashed_ids, hash_lists)
             imports = getattr(metadata, "imported_rows", None)
             if imports:
                 self._import_rows(imports, dict(zip(hashed_ids, hash_lists)))
-            finished = [r for r in metadata.finished_requests if r in self._slot_of]
-            if finished:
-                finished_slots = self._slots(finished)
-                self._finished[finished_slots] = True
-                for i in (self._pending[finished_slots] == 0).nonzero()[0].tolist():
-                    self._teardown(finished[i])
+            if metadata.finished_requests:
+                self._finish([r for r in metadata.finished_requests if r in self._slot_of])
+
+    def _finish(self, request_ids: list) -> None:
+        """Terminal events: tear a request down now, or once its outputs in flight are processed."""
+        if request_ids:
+            slots = self._slots(request_ids)
+            self._finished[slots] = True
+            idle = self._pending[slots] == 0
+            for i in idle.nonzero()[0].tolist():
+                self._teardown(request_ids[i])
+            self._awaiting_teardown.update(request_ids[i] for i in (~idle).nonzero()[0].tolist())
 
     def _import_rows(self, imports: dict, hashes_of: dict) -> None:
         """Publish rows a prefill instance computed (``row_transfer``) under the requests' own
@@ -266,8 +285,8 @@ class CacheWorkerConnector:
     ) -> tuple[bool, np.ndarray]:
         """Raise if the metadata contradicts the connector's state; return whether it starts a
         new generation, and the scheduled requests' slots as they will be (-1: not tracked)."""
-        both = metadata.requests.keys() & set(metadata.finished_requests)
-        if both:
+        if not metadata.requests.keys().isdisjoint(metadata.finished_requests):
+            both = metadata.requests.keys() & set(metadata.finished_requests)
             raise ConnectorStateError(f"requests {sorted(both)} are scheduled and finished in one step")
         if metadata.generation < self._generation:
             raise ConnectorStateError(
@@ -282,19 +301,18 @@ class CacheWorkerConnector:
         known = {} if new_generation else self._slot_of
         all_slots = self._slots(request_ids) if known else np.full(len(request_ids), -1, dtype=np.int64)
         if known:
-            tracked = (all_slots >= 0).nonzero()[0]
-            slots = all_slots[tracked]
-            again = self._finished[slots].nonzero()[0]
-            if len(again):
-                raise ConnectorStateError(
-                    f"request {request_ids[tracked[again[0]]]!r} was scheduled again before its teardown completed"
-                )
-            ahead = ((self._pending[slots] == 0) & (emit_starts[tracked] > self._emit_cursor[slots])).nonzero()[0]
-            if len(ahead):
-                i = tracked[ahead[0]]
+            if self._awaiting_teardown and not self._awaiting_teardown.isdisjoint(request_ids):
+                again = next(r for r in request_ids if r in self._awaiting_teardown)
+                raise ConnectorStateError(f"request {again!r} was scheduled again before its teardown completed")
+            # Settled requests only: in-flight steps leave the emit cursor behind the scheduler's
+            # optimistic view. (Untracked requests, slot -1, read an unrelated cursor: skipped.)
+            ahead = (emit_starts > self._emit_cursor[all_slots]).nonzero()[0].tolist()
+            ahead = [i for i in ahead if all_slots[i] >= 0 and self._pending[all_slots[i]] == 0]
+            if ahead:
+                i = ahead[0]
                 raise ConnectorStateError(
                     f"request {request_ids[i]!r}: scheduler emit start {emit_starts[i]} is ahead of the rows "
-                    f"delivered so far ({self._emit_cursor[slots[ahead[0]]]})"
+                    f"delivered so far ({self._emit_cursor[all_slots[i]]})"
                 )
         for request_id in metadata.block_hashes:
             if request_id not in known and request_id not in metadata.requests:
@@ -304,47 +322,32 @@ class CacheWorkerConnector:
                 )
         return new_generation, all_slots
 
-    def _apply_pins(self, metadata: AuxOutputConnectorMetadata) -> None:
-        """0.33's KV-aligned pins (absent in 0.32): retain first, then release, atomically."""
-        retained = unpack_hashes(getattr(metadata, "retained_block_hashes", None) or ())
-        released = unpack_hashes(getattr(metadata, "released_block_hashes", None) or ())
-        self._cache.retain(retained)
-        try:
-            self._cache.release(released)
-        except RoutedExpertsCacheError:
-            self._cache.release(retained)
-            raise
-
     def prepare_output(self, input_batch: InputBatch) -> PendingCacheOutput | None:
         """Keep this step's routing snapshot (device) for ``process_output``."""
         if self._cache is None or self._step_metadata is None:
             return None
         request_ids = list(input_batch.req_ids)
-        query_start_loc = np.array(input_batch.query_start_loc_np[: len(request_ids) + 1])
-        with self._lock:
-            slots = self._slots(request_ids)
-        pending = PendingCacheOutput(
-            connector=self,
-            request_ids=request_ids,
-            slots=slots,
-            token_starts=np.array(input_batch.num_computed_tokens_np[: len(request_ids)], dtype=np.int64),
-            query_start_loc=query_start_loc.astype(np.int64, copy=False),
-            snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
-            emit_starts=self._step_metadata.requests,
-        )
-        if self._side_stream is not None:
-            pending.snapshot_ready = self._side_stream.mark_ready()
+        n = len(request_ids)
+        query_start_loc = np.array(input_batch.query_start_loc_np[: n + 1], dtype=np.int64)
+        token_starts = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
+        snapshot = self._capturer.snapshot_routing_data(int(query_start_loc[-1]))
         with self._lock:
             if len(self._pending_outputs) >= self._max_concurrent_batches:
                 raise ConnectorStateError(
                     f"{len(self._pending_outputs)} step outputs are in flight, more than "
                     f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
                 )
-            if (slots < 0).any():
+            slots = self._slots(request_ids)
+            if n and slots.min() < 0:
                 unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
                 raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
-            if len(slots) > 1 and np.bincount(slots).max() > 1:
+            if len(set(request_ids)) < n:
                 raise ConnectorStateError(f"step lists a request twice: {request_ids}")
+            pending = PendingCacheOutput(
+                self, request_ids, slots, token_starts, query_start_loc, snapshot, self._step_metadata.requests
+            )
+            if self._side_stream is not None:
+                pending.snapshot_ready = self._side_stream.mark_ready()
             self._pending_outputs.append(pending)
             self._pending[slots] += 1
         return pending
@@ -369,8 +372,9 @@ class CacheWorkerConnector:
                     self._pending_outputs.remove(pending)
                     slots = pending.slots
                     self._pending[slots] -= 1
-                    for i in (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist():
-                        self._teardown(pending.request_ids[i])
+                    if self._awaiting_teardown:
+                        for i in (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist():
+                            self._teardown(pending.request_ids[i])
 
     def _log_stats(self) -> None:
         """One line in vLLM's log style: pool use by page state, and counters since the last line."""
@@ -397,6 +401,8 @@ class CacheWorkerConnector:
         self._stats_logged_at = time.monotonic()
 
     def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
+        """Capture the step's accepted rows and build its outputs: array passes over the batch,
+        with Python only where requests re-attach, roll back or read rows from before."""
         if pending.num_sampled is None or pending.num_rejected is None:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
         request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
@@ -406,59 +412,66 @@ class CacheWorkerConnector:
         sampled, rejected = (np.asarray(counts, dtype=np.int64)[:n] for counts in (pending.num_sampled, pending.num_rejected))
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
-        invalid = ((num_rows <= 0) | (rejected < 0) | (rejected > num_rows)).nonzero()[0]
-        if len(invalid):
-            i = invalid[0]
+        counts = num_rows - rejected
+        if n and min(num_rows.min() - 1, rejected.min(), counts.min()) < 0:
+            i = ((num_rows <= 0) | (rejected < 0) | (counts < 0)).nonzero()[0][0]
             raise ConnectorStateError(
                 f"request {request_ids[i]!r}: invalid step rows ({num_rows[i]} scheduled, {rejected[i]} rejected)"
             )
         captured = self._capture_cursor[slots]
-        cursor = np.where(captured >= 0, captured, token_starts)
-        # Async scheduling assumed every draft was accepted: re-attach at the cursor, which
-        # must lie inside what the scheduler ran.
-        reattach = token_starts > cursor
-        unscheduled = (reattach & (cursor >= self._scheduled_cursor[slots])).nonzero()[0]
-        if len(unscheduled):
-            i = unscheduled[0]
-            raise ConnectorStateError(
-                f"request {request_ids[i]!r}: rows [{cursor[i]}, {token_starts[i]}) were never scheduled"
-            )
-        capture_starts = np.where(reattach, cursor, token_starts)
         emit_starts = self._emit_cursor[slots]
-        # vLLM rolled a request back (KV blocks failed to load; recompute policy) and dropped
-        # that step's output: rows from there on came from the failed KV. Recapture them, and
-        # emit again from where the scheduler now starts.
-        rollbacks = (token_starts < cursor).nonzero()[0].tolist()
-        for i in rollbacks:
-            emit_starts[i] = min(emit_starts[i], pending.emit_starts.get(request_ids[i], emit_starts[i]))
-        counts = num_rows - rejected
+        # Async scheduling assumed every draft was accepted: re-attach at the capture cursor,
+        # which must lie inside what the scheduler ran.
+        reattach = token_starts > captured
+        reattach &= captured >= 0
+        capture_starts = np.where(reattach, captured, token_starts)
+        num_reattached = int(np.count_nonzero(reattach))
+        if num_reattached:
+            unscheduled = (reattach & (captured >= self._scheduled_cursor[slots])).nonzero()[0]
+            if len(unscheduled):
+                i = unscheduled[0]
+                raise ConnectorStateError(
+                    f"request {request_ids[i]!r}: rows [{captured[i]}, {token_starts[i]}) were never scheduled"
+                )
+            self._reattachments += num_reattached
+        rollbacks = (token_starts < captured).nonzero()[0]
+        if len(rollbacks):
+            self._roll_back(pending, emit_starts, rollbacks.tolist())
         token_ends = capture_starts + counts
-        for i in rollbacks:
-            self._cache.rewind(request_ids[i], int(token_starts[i]))
-        self._rollbacks += len(rollbacks)
-        self._cache.capture_batch(pending.snapshot, request_ids, capture_starts, row_starts, counts, slots=slots)
+        self._cache.capture_step(pending.snapshot, request_ids, slots, capture_starts, row_starts, counts)
         self._capture_cursor[slots] = token_ends
         self._scheduled_cursor[slots] = token_starts + num_rows
-        self._reattachments += int(reattach.sum())
         emitting = (sampled > 0) & (emit_starts <= token_ends)
         self._emit_cursor[slots] = np.where(emitting, token_ends, emit_starts)  # lower only after a roll-back
         pick = emitting.nonzero()[0]
         if len(pick) < n:
             request_ids = [request_ids[i] for i in pick.tolist()]
-        return self._emitted_rows(
-            pending, request_ids, slots[pick], emit_starts[pick], capture_starts[pick], row_starts[pick], token_ends[pick]
-        )
+            slots, emit_starts, capture_starts, row_starts, counts = (
+                values[pick] for values in (slots, emit_starts, capture_starts, row_starts, counts))
+        return self._emitted_rows(pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts)
 
-    def _emitted_rows(self, pending, request_ids, slots, emit_starts, capture_starts, row_starts, ends):
-        """Rows ``[emit_start, end)`` per request (this step's rows are ``[capture_start, end)``). A request that gets only what
-        this step captured gets it straight from the step's snapshot (one device-to-host copy, the
-        rows the pool now holds); one that also gets rows from before (a prefix hit's, rows
-        recomputed after a roll-back) gets its whole interval gathered from the pool."""
+    def _roll_back(self, pending, emit_starts: np.ndarray, rollbacks: list[int]) -> None:
+        """vLLM rolled these requests back (KV blocks failed to load; recompute policy) and
+        dropped that step's output: rows from there on came from the failed KV. Forget them,
+        and emit again from where the scheduler now starts (``emit_starts`` lowered in place)."""
+        request_ids, token_starts = pending.request_ids, pending.token_starts
+        for i in rollbacks:
+            emit_starts[i] = min(emit_starts[i], pending.emit_starts.get(request_ids[i], emit_starts[i]))
+            self._cache.rewind(request_ids[i], int(token_starts[i]))
+        self._rollbacks += len(rollbacks)
+
+    def _emitted_rows(self, pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts):
+        """Rows ``[emit_start, capture_start + count)`` per request (this step's rows start at
+        ``capture_start``). A request that gets only what this step captured gets it straight
+        from the step's snapshot (one device-to-host copy, the rows the pool now holds); one
+        that also gets rows from before (a prefix hit's, rows recomputed after a roll-back) gets
+        its whole interval gathered from the pool."""
         host = self._copy_out(pending.snapshot)
-        firsts = np.maximum(emit_starts, capture_starts)  # first emitted position of this step's rows
-        to_snapshot = row_starts - capture_starts  # position -> snapshot row, per request
-        rows = list(map(host.__getitem__, map(slice, (firsts + to_snapshot).tolist(), (ends + to_snapshot).tolist())))
-        earlier = (emit_starts < firsts).nonzero()[0]
+        skipped = emit_starts - capture_starts  # > 0: rows of this step the client has (a re-attachment)
+        rows = list(map(host.__getitem__, map(
+            slice, (row_starts + np.maximum(skipped, 0)).tolist(), (row_starts + counts).tolist())))
+        earlier = (skipped < 0).nonzero()[0]
+        ends = capture_starts + counts
         if len(earlier):
             packed, offsets = self._cache.read_batch(
                 [request_ids[i] for i in earlier.tolist()], emit_starts[earlier], ends[earlier], slots=slots[earlier]
@@ -475,6 +488,7 @@ class CacheWorkerConnector:
         return snapshot.to(device="cpu", dtype=self._cache.dtype, copy=True).numpy()
 
     def _teardown(self, request_id: str) -> None:
+        self._awaiting_teardown.discard(request_id)
         del self._slot_of[request_id]
         self._cache.finish(request_id)
 
