@@ -759,13 +759,13 @@ class RoutedExpertsCache:
         """
         if request.first_block is None:
             return
-        full_blocks = self._cursor_of(request) // self.page_size
-        while True:
-            block = request.first_block + request.num_settled
-            if block >= full_blocks or block >= len(request.hashes):
-                return
-            self._pages.publish(request.hashes[block], request.own_pages[request.num_settled])
-            request.num_settled += 1
+        first_block, settled = request.first_block, request.num_settled
+        settling = min(self._cursor_of(request) // self.page_size, len(request.hashes)) - first_block
+        if settling > settled:
+            self._pages.publish_many(
+                request.hashes[first_block + settled : first_block + settling], request.own_pages[settled:settling]
+            )
+            request.num_settled = settling
 
     # -------------------------------------------------------------------- read
 

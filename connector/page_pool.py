@@ -134,6 +134,17 @@ class PagePool:
         self.pins[block_hash] += 1
         return True
 
+    def publish_many(self, hashes: list[bytes], pages: list[int]) -> None:
+        """``publish`` each pair in order: one dict update when none of the hashes is published
+        yet (a request's newly full blocks, the common case), else one by one."""
+        if self.published.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+            self.published.update(zip(hashes, pages))
+            self.pins.update(hashes)
+            self.published_blocks += len(hashes)
+        else:
+            for block_hash, page in zip(hashes, pages):
+                self.publish(block_hash, page)
+
     def unpublish(self, block_hash: bytes) -> None:
         """Take a published hash out of the index with the pin its publisher held; its page
         goes back to its owner (who frees it)."""
@@ -151,16 +162,20 @@ class PagePool:
     def unpin(self, hashes: Iterable[bytes]) -> None:
         """Drop one pin per hash; published hashes left unpinned become evictable in this order,
         device-published ones left with retains only become demotable."""
+        pins, published = self.pins, self.published
         for block_hash in hashes:
-            self.pins[block_hash] -= 1
-            if self.pins[block_hash] == 0:
-                del self.pins[block_hash]
-            self._place(block_hash)
+            left = pins[block_hash] - 1
+            if left:
+                pins[block_hash] = left
+            else:
+                del pins[block_hash]
+            if block_hash in published:
+                self._place(block_hash)
 
     def retain(self, hashes: list[bytes]) -> None:
         self.retained.update(hashes)
         self.pins.update(hashes)
-        for block_hash in hashes:
+        for block_hash in filter(self.published.__contains__, hashes):  # only published hashes have a place
             self._place(block_hash)
 
     def release(self, hashes: list[bytes]) -> None:

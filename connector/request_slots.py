@@ -57,7 +57,7 @@ class RequestSlots:
 
     def set_pages(self, slots, own_blocks, pages) -> None:
         """``table[slots, own_blocks] = pages``, widening the table to the largest own block."""
-        width = int(np.max(own_blocks)) + 1
+        width = (max(own_blocks) if type(own_blocks) is list else int(own_blocks.max())) + 1
         if width > self.table.shape[1]:
             grown = np.full((self.table.shape[0], 1 << (width - 1).bit_length()), -1, dtype=np.int64)
             grown[:, : self.table.shape[1]] = self.table

@@ -468,8 +468,8 @@ class CacheWorkerConnector:
         its whole interval gathered from the pool."""
         host = self._copy_out(pending.snapshot)
         skipped = emit_starts - capture_starts  # > 0: rows of this step the client has (a re-attachment)
-        rows = list(map(host.__getitem__, map(
-            slice, (row_starts + np.maximum(skipped, 0)).tolist(), (row_starts + counts).tolist())))
+        row_ends = row_starts + counts
+        rows = list(map(host.__getitem__, map(slice, (row_starts + skipped.clip(0)).tolist(), row_ends.tolist())))
         earlier = (skipped < 0).nonzero()[0]
         ends = capture_starts + counts
         if len(earlier):
