@@ -13,6 +13,7 @@ import torch
 
 from ..errors import InvalidCaptureError, RoutedExpertsCacheError
 
+BOOL_TYPES = (bool, np.bool_)
 ROW_DTYPES = (
     torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64, torch.int64,
 )
@@ -38,6 +39,8 @@ def as_list(values, what: str, error: type[RoutedExpertsCacheError] = InvalidCap
 
 def index_array(values, what: str, length: int, error: type[RoutedExpertsCacheError] = RoutedExpertsCacheError) -> np.ndarray:
     """A 1-D int64 array of ``length`` integers (numpy, torch CPU or a sequence of ints)."""
+    if type(values) in (list, tuple) and not set(map(type, values)).isdisjoint(BOOL_TYPES):
+        raise error(f"{what} must be integers, got a bool among them: {list(values)!r}")  # numpy would fold it in
     try:
         array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
     except (TypeError, ValueError, RuntimeError) as exc:

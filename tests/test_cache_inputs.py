@@ -283,6 +283,32 @@ POSITION_CALLS = {  # every call that takes a position, with one bad position in
 }
 
 
+BOOL_BESIDE_INTS_CALLS = {  # a batched call's index arrays (list or tuple w), one element a bool among ints
+    "capture_batch starts": lambda c, b, w: c.capture_batch(ROWS2, ["b", "n"], w([3, b]), [0, 1], [1, 1]),
+    "capture_batch source starts": lambda c, b, w: c.capture_batch(ROWS2, ["b", "n"], [3, 0], w([0, b]), [1, 1]),
+    "capture_batch counts": lambda c, b, w: c.capture_batch(ROWS2, ["b", "n"], [3, 0], [0, 1], w([1, b])),
+    "capture_batch slots": lambda c, b, w: c.capture_batch(ROWS2, ["a", "b"], [6, 3], [0, 1], [1, 1], slots=w([b, 1])),
+    "read_batch starts": lambda c, b, w: c.read_batch(["b", "a"], w([0, b]), [3, 2]),
+    "read_batch ends": lambda c, b, w: c.read_batch(["b", "a"], [0, 0], w([3, b])),
+    "read_batch slots": lambda c, b, w: c.read_batch(["a", "b"], [0, 0], [2, 3], slots=w([0, b])),
+}
+
+
+@pytest.mark.parametrize("call_name", sorted(BOOL_BESIDE_INTS_CALLS))
+@pytest.mark.parametrize("flag", [True, False, np.True_, np.False_], ids=repr)
+@pytest.mark.parametrize("wrap", [list, tuple], ids=lambda w: w.__name__)
+def test_a_bool_beside_ints_in_a_batched_call_is_refused_without_change(call_name, flag, wrap):
+    """``read("a", True, 1)`` is refused; so is a bool among the integers of a batched call's
+    index sequence (numpy would fold it into an int array), with nothing changed."""
+    cache = RoutedExpertsCache(6, PAGE, ROW, device=TEST_DEVICE)
+    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
+    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    before = observe(cache)
+    with pytest.raises(RoutedExpertsCacheError, match="bool"):
+        BOOL_BESIDE_INTS_CALLS[call_name](cache, flag, wrap)
+    assert_unchanged(before, observe(cache))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("call_name", sorted(POSITION_CALLS))
 @pytest.mark.parametrize("past", [1, 4, 2**20, 2**40, 2**62], ids=lambda p: f"limit+{p}")
