@@ -320,6 +320,8 @@ class RoutedExpertsCache:
             segments.append(batch_segments)
         if len(segments) == 1:
             source_rows, target_rows, lengths = segments[0]
+        elif type(segments[1][0]) is list:  # both from plain Python: lists
+            source_rows, target_rows, lengths = (first + second for first, second in zip(*segments))
         else:
             source_rows, target_rows, lengths = (np.concatenate(parts) for parts in zip(*segments))
         try:
@@ -406,10 +408,10 @@ class RoutedExpertsCache:
                 self._counters["host_read_rows"] += length
 
     def _plan_segments(self, plans: list[tuple], new_pages: list[int]):
-        """``(source_rows, target_rows, lengths)`` of the planned spans, one segment per page
-        run; ``new_pages`` are the pages their new blocks take, in plan order."""
+        """``(source_rows, target_rows, lengths)`` of the planned spans as lists, one segment per
+        page run; ``new_pages`` are the pages their new blocks take, in plan order."""
         size, taken = self.page_size, 0
-        seg_start, seg_source_row, seg_target_row = [0], [], []
+        lengths, seg_source_row, seg_target_row = [], [], []
         pages_after: dict[int, tuple[int, list[int]]] = {}  # per request: first block, pages after this call
         for _, request, start, source_row, count, num_new in plans:
             first_block, pages = pages_after.get(id(request)) or (
@@ -425,10 +427,10 @@ class RoutedExpertsCache:
                 run_end = min(end, block * size + size)
                 seg_source_row.append(source_row)
                 seg_target_row.append(pages[block - first_block] * size + position - block * size)
-                seg_start.append(seg_start[-1] + run_end - position)
+                lengths.append(run_end - position)
                 source_row += run_end - position
                 position = run_end
-        return np.array(seg_source_row, dtype=np.int64), np.array(seg_target_row, dtype=np.int64), np.diff(seg_start)
+        return seg_source_row, seg_target_row, lengths
 
     def _continuing_segments(self, batch, new_pages: list[int]):
         """``(source_rows, target_rows, lengths, table_slots, table_blocks, completed)`` of the
@@ -783,15 +785,24 @@ class RoutedExpertsCache:
         tensor (never a view of the pool) with one gather: interval i is
         ``packed[offsets[i] : offsets[i + 1]]``, ``offsets`` an int64 array of n + 1.
 
-        Intervals within a request's own captured rows are located with array operations
-        over the batch; the others (prefix rows, unknown requests, invalid ranges) are walked
-        one by one in ``_append_segments``. Every interval is located before anything is
-        copied: a missing row fails the call.
+        Every interval is located before anything is copied: a missing row fails the call.
         """
         request_ids = as_list(request_ids, "read request ids", RangeUnavailableError)
         slots = self._slots.checked(request_ids, slots)
-        n, size = len(request_ids), self.page_size
+        n = len(request_ids)
         starts, ends = (index_array(v, w, n, RangeUnavailableError) for v, w in ((starts, "starts"), (ends, "ends")))
+        return self.read_step(request_ids, slots, starts, ends)
+
+    def read_step(self, request_ids: list, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """``read_batch`` for an engine step whose arguments the caller has checked: ``slots``
+        from ``slots()`` (or -1) for ``request_ids``, ``starts`` and ``ends`` int64 arrays of the
+        same length. Ranges are checked here (names the request, the range and what exists).
+
+        Above ``SMALL_BATCH`` intervals, those within a request's own captured rows are
+        located with array passes; the others (and every interval of a small batch) are walked
+        one by one in ``_append_segments``, their segments landing at their packed offsets.
+        """
+        n, size = len(request_ids), self.page_size
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
         source_rows, target_rows, lengths, others = [], [], [], range(n)
@@ -806,34 +817,42 @@ class RoutedExpertsCache:
             target_rows.append(offsets[pick][span] + first - starts[pick][span])
             lengths.append(end - first)
             others = (~own).nonzero()[0].tolist()
-        if others or not lengths:  # one Python walk per interval: segments land at their packed offsets directly
-            seg_source_row, seg_target_row, seg_end = [], [], []
-            for i, start, end, offset in zip(others, starts[others].tolist(), ends[others].tolist(), offsets[others].tolist()):
-                seg_start = [offset]
-                self._append_segments(request_ids[i], start, end, seg_source_row, seg_start)
-                seg_target_row += seg_start[:-1]
-                seg_end += seg_start[1:]
-            source_rows.append(np.array(seg_source_row, dtype=np.int64))
-            target_rows.append(np.array(seg_target_row, dtype=np.int64))
-            lengths.append(np.array(seg_end, dtype=np.int64) - target_rows[-1])
+        seg_source_row, seg_target_row, seg_end = [], [], []
+        for i, start, end, offset in zip(others, starts[others].tolist(), ends[others].tolist(), offsets[others].tolist()):
+            seg_start = [offset]
+            self._append_segments(request_ids[i], start, end, seg_source_row, seg_start)
+            seg_target_row += seg_start[:-1]
+            seg_end += seg_start[1:]
+        seg_lengths = [end - start for start, end in zip(seg_target_row, seg_end)]
+        if lengths:  # with the array passes' segments
+            lengths, source_rows, target_rows = (
+                np.concatenate([*parts, np.array(walked, dtype=np.int64)])
+                for parts, walked in ((lengths, seg_lengths), (source_rows, seg_source_row), (target_rows, seg_target_row))
+            )
+        else:
+            lengths, source_rows, target_rows = seg_lengths, seg_source_row, seg_target_row
         total = int(offsets[-1])
         packed = torch.empty((total, *self.row_shape), dtype=self.dtype, device=self.device)
-        if len(lengths) > 1:
-            lengths, source_rows, target_rows = (np.concatenate(parts) for parts in (lengths, source_rows, target_rows))
-        else:
-            (lengths,), (source_rows,), (target_rows,) = lengths, source_rows, target_rows
-        host_rows = self.num_pages * size
+        if self._pages.host_pages:
+            lengths, source_rows, target_rows = self._gather_host_rows(packed, lengths, source_rows, target_rows)
+        self._copy_on_device(self._pool_words, self._copy_view(packed), lengths, source_rows, target_rows)
+        self._counters["read_rows"] += total
+        return packed, offsets
+
+    def _gather_host_rows(self, packed: torch.Tensor, lengths, source_rows, target_rows):
+        """Copy the segments of blocks demoted to the host tier into ``packed`` (gathered on the
+        host, one copy to the device); return the segments left for the pool gather."""
+        lengths, source_rows, target_rows = (np.asarray(v, dtype=np.int64) for v in (lengths, source_rows, target_rows))
+        host_rows = self.num_pages * self.page_size
         from_host = source_rows >= host_rows
-        if self._pages.host_pages and from_host.any():  # blocks demoted to the host tier: gathered there, one copy to the device
+        if from_host.any():
             runs = lengths[from_host]
             within = np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)
             rows = self.host_arena.view(-1, *self.row_shape)[np.repeat(source_rows[from_host] - host_rows, runs) + within]
             packed[torch.from_numpy(np.repeat(target_rows[from_host], runs) + within).to(self.device)] = rows.to(self.device)
             lengths, source_rows, target_rows = lengths[~from_host], source_rows[~from_host], target_rows[~from_host]
             self._counters["host_read_rows"] += int(runs.sum())
-        self._copy_on_device(self._pool_words, self._copy_view(packed), lengths, source_rows, target_rows)
-        self._counters["read_rows"] += total
-        return packed, offsets
+        return lengths, source_rows, target_rows
 
     def _append_segments(self, request_id, start, end, seg_source_row: list, seg_start: list) -> None:
         """Append the pool segments covering [start, end); raise if any row is missing."""

@@ -473,8 +473,8 @@ class CacheWorkerConnector:
         earlier = (skipped < 0).nonzero()[0]
         ends = capture_starts + counts
         if len(earlier):
-            packed, offsets = self._cache.read_batch(
-                [request_ids[i] for i in earlier.tolist()], emit_starts[earlier], ends[earlier], slots=slots[earlier]
+            packed, offsets = self._cache.read_step(
+                [request_ids[i] for i in earlier.tolist()], slots[earlier], emit_starts[earlier], ends[earlier]
             )
             packed, bounds = packed.cpu().numpy(), offsets.tolist()
             for j, i in enumerate(earlier.tolist()):
