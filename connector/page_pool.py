@@ -83,6 +83,8 @@ class PagePool:
         page, host page)`` whose rows must reach the host first. ``releasing``: hashes that
         become evictable (in that order) before those allocations. The caller checks ``room``."""
         from_free = list(islice(self.free, count))
+        if len(from_free) == count:  # the common case: enough free pages
+            return from_free, [], []
         victims = list(islice(chain(self.evictable, releasing), count - len(from_free)))
         pages = from_free + [self.published[block_hash] for block_hash in victims]
         demoted = list(islice(self.demotable, count - len(pages)))
