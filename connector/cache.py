@@ -26,7 +26,7 @@ start, ranges, room, releases of what was not retained).
 
 Every request also has a slot: its cursor and first captured block live in slot-indexed
 arrays, and a block table ``[slots, blocks]`` mirrors its own pages. Up to ``SMALL_BATCH``
-spans or intervals, plain Python over them splits them at page boundaries (a fixed set of
+spans or intervals (``batch_size``), plain Python over them splits them at page boundaries (a fixed set of
 array passes costs more for a few dozen); above it, array passes over the slot arrays do.
 Python also runs per new page, per request that settles blocks and for the spans the arrays
 do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segments``).
@@ -46,15 +46,14 @@ from .checks import (
 )
 from ..errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
+from . import batch_size
+from .batch_size import largest, total
 from .page_pool import PagePool
 from .request_slots import RequestSlots
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
 # Positions fit int32, as in vLLM's batch arrays; far beyond any model's context length.
 DEFAULT_MAX_POSITION = 2**31
-# Up to this many continuing spans per capture, plain Python over them costs less than the
-# fixed set of array passes that the vectorised path makes (bench/bench_host.py).
-SMALL_BATCH = 48
 
 
 def _as_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -262,7 +261,7 @@ class RoutedExpertsCache:
         by one: a start inside a block needs that block published), ``max_position``, room.
         """
         ends = starts + counts
-        if len(ends) and ends.max() > self.max_position:
+        if len(ends) and largest(ends) > self.max_position:
             i = int(ends.argmax())
             self._check_span(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i]), source.shape[0])
         first = (self._slots.first_block[slots] < 0).nonzero()[0]
@@ -313,7 +312,7 @@ class RoutedExpertsCache:
         will take (free ones first, then the oldest evictable, including pages that first
         captures of this call stop pinning), planned spans first, then the batch.
         """
-        batch_new = int(batch[4].sum()) if batch is not None else 0
+        batch_new = total(batch[4]) if batch is not None else 0
         releasing = self._pages.released_by(self._first_capture_unpins(plans)) if plans else []
         self._check_room(plans, num_new_pages, batch, batch_new, len(releasing))
         new_pages, victims, demotions = self._pages.next_pages(num_new_pages + batch_new, releasing)
@@ -445,7 +444,7 @@ class RoutedExpertsCache:
         table cells the new pages fill (slot, own block), and the slots whose span completed a
         block. Plain Python over the spans for a few dozen of them (cheaper than a fixed set of
         array passes), vectorised above that; both give the same result."""
-        if len(batch[0]) <= SMALL_BATCH:
+        if len(batch[0]) <= batch_size.SMALL_BATCH:
             return self._continuing_segments_small(batch, new_pages)
         slots, starts, source_starts, counts, num_new = batch
         size, table = self.page_size, self._slots.table
@@ -812,7 +811,7 @@ class RoutedExpertsCache:
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
         source_rows, target_rows, lengths, others = [], [], [], range(n)
-        if n > SMALL_BATCH:  # intervals within a request's own rows located with array passes
+        if n > batch_size.SMALL_BATCH:  # intervals within a request's own rows located with array passes
             first_block = self._slots.first_block[slots]
             own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
             own &= ends <= self._slots.cursor[slots]

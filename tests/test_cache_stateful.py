@@ -49,7 +49,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from routed_experts_cache.connector import cache as cache_module
+from routed_experts_cache.connector import batch_size
 from routed_experts_cache import (
     CacheFullError,
     InvalidCaptureError,
@@ -895,7 +895,7 @@ def test_cache_against_the_model(backend):
 def test_cache_against_the_model_with_array_passes_only(monkeypatch):
     """The same machine with every batch on the vectorised paths (``SMALL_BATCH`` 0), which
     the engine takes above a few dozen requests: they must agree with the model as well."""
-    monkeypatch.setattr(cache_module, "SMALL_BATCH", 0)
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
     counts = Counter()
     machine = type("CacheMachine_array_passes", (CacheMachine,), {"BACKEND": "torch", "COUNTS": counts})
     run_state_machine(machine, BUDGETS["torch"])

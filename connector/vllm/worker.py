@@ -36,6 +36,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
+from ..batch_size import smallest, total
 from ..cache import RoutedExpertsCache
 from ..checks import all_hashes, check_hashes, checked_hash_lists
 from ...errors import RoutedExpertsCacheError
@@ -337,10 +338,11 @@ class CacheWorkerConnector:
                     f"{len(self._pending_outputs)} step outputs are in flight, more than "
                     f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
                 )
-            slots = self._slots(request_ids)
-            if n and slots.min() < 0:
-                unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
+            slot_list = list(map(self._slot_of.get, request_ids))
+            if None in slot_list:
+                unknown = [request_id for request_id, slot in zip(request_ids, slot_list) if slot is None]
                 raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
+            slots = np.array(slot_list, dtype=np.int64)
             if len(set(request_ids)) < n:
                 raise ConnectorStateError(f"step lists a request twice: {request_ids}")
             pending = PendingCacheOutput(
@@ -413,7 +415,7 @@ class CacheWorkerConnector:
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
         counts = num_rows - rejected
-        if n and min(num_rows.min() - 1, rejected.min(), counts.min()) < 0:
+        if n and min(smallest(num_rows) - 1, smallest(rejected), smallest(counts)) < 0:
             i = ((num_rows <= 0) | (rejected < 0) | (counts < 0)).nonzero()[0][0]
             raise ConnectorStateError(
                 f"request {request_ids[i]!r}: invalid step rows ({num_rows[i]} scheduled, {rejected[i]} rejected)"
@@ -469,7 +471,7 @@ class CacheWorkerConnector:
         host = self._copy_out(pending.snapshot)
         skipped = emit_starts - capture_starts  # > 0: rows of this step the client has (a re-attachment)
         row_ends = row_starts + counts
-        rows = list(map(host.__getitem__, map(slice, (row_starts + skipped.clip(0)).tolist(), row_ends.tolist())))
+        rows = list(map(host.__getitem__, map(slice, (row_starts + (skipped > 0) * skipped).tolist(), row_ends.tolist())))
         earlier = (skipped < 0).nonzero()[0]
         ends = capture_starts + counts
         if len(earlier):
@@ -479,7 +481,7 @@ class CacheWorkerConnector:
             packed, bounds = packed.cpu().numpy(), offsets.tolist()
             for j, i in enumerate(earlier.tolist()):
                 rows[i] = packed[bounds[j] : bounds[j + 1]]
-        self._returned_rows += int((ends - emit_starts).sum())
+        self._returned_rows += total(ends - emit_starts)
         return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), rows)))
 
     def _copy_out(self, snapshot: torch.Tensor) -> np.ndarray:
