@@ -257,7 +257,7 @@ class RoutedExpertsCache:
         ``slots`` come from ``slots()`` for ``request_ids``, live and distinct; ``starts``,
         ``source_starts`` and ``counts`` are int64 arrays of the same length with every span
         inside ``source`` (``counts >= 0``); a request that has captured before continues at its
-        cursor (``cursors(slots)``). Checked here as in ``capture_batch``: first captures (one
+        cursor. Checked here as in ``capture_batch``: first captures (one
         by one: a start inside a block needs that block published), ``max_position``, room.
         """
         ends = starts + counts
@@ -278,11 +278,6 @@ class RoutedExpertsCache:
             batch = (slots, starts, source_starts, counts, new_pages)
         if plans or batch is not None:
             self._write(plans, num_new_pages, self._source_words(source), batch)
-
-    def cursors(self, slots: np.ndarray) -> np.ndarray:
-        """The next position each request captures (its rows are ``[.., cursor)``); -1 for a
-        request that has not captured yet. ``slots`` from ``slots()``, unchecked."""
-        return np.where(self._slots.first_block[slots] >= 0, self._slots.cursor[slots], -1)
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
         """The rows to copy, on the pool's device in its dtype, contiguous and aligned, in the
