@@ -164,14 +164,19 @@ class PagePool:
     def unpin(self, hashes: Iterable[bytes]) -> None:
         """Drop one pin per hash; published hashes left unpinned become evictable in this order,
         device-published ones left with retains only become demotable."""
-        pins, published = self.pins, self.published
+        pins, published, evictable = self.pins, self.published, self.evictable
         for block_hash in hashes:
             left = pins[block_hash] - 1
             if left:
                 pins[block_hash] = left
-            else:
-                del pins[block_hash]
-            if block_hash in published:
+                if block_hash in published:
+                    self._place(block_hash)
+                continue
+            del pins[block_hash]
+            page = published.get(block_hash)
+            if page is not None and page < self.num_pages and not self.demotable:  # the common case, inlined
+                evictable[block_hash] = None
+            elif page is not None:
                 self._place(block_hash)
 
     def retain(self, hashes: list[bytes]) -> None:
