@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpu_harness.engine import make_llm  # noqa: E402
+from cpu_harness.engine import make_llm, prepare_environment  # noqa: E402
 
 
 def main() -> int:
@@ -41,6 +41,7 @@ def main() -> int:
     prompts = read_prompts(parser, args.work / "prompts.json")
     if args.role == "decode" and not args.no_params and not (args.work / "params.json").exists():
         parser.error(f"{args.work / 'params.json'} is missing: run --role prefill first (or decode with --no-params)")
+    prepare_environment()  # before anything imports Triton kernels (TRITON_INTERPRET=1 on CPU)
     if args.model is None:
         args.model = str(args.work / "tiny-moe")
         if not (args.work / "tiny-moe" / "config.json").exists():
@@ -53,12 +54,12 @@ def main() -> int:
     from vllm import SamplingParams
 
     if args.role == "prefill":
-        params = SamplingParams(max_tokens=1, ignore_eos=True, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         outputs = llm.generate(prompts, params)
         (args.work / "params.json").write_text(json.dumps([o.kv_transfer_params for o in outputs]))
         return 0
     carried = [None] * len(prompts) if args.no_params else json.loads((args.work / "params.json").read_text())
-    requests = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+    requests = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                                extra_args={"kv_transfer_params": p} if p is not None else None) for p in carried]
     try:
         outputs = llm.generate(prompts, requests)
