@@ -120,3 +120,67 @@ def test_a_request_pin_makes_a_retained_block_stay_on_the_device():
     assert not pool.demotable and pool.room() == 0
     pool.unpin([b"a"])
     assert list(pool.demotable) == [b"a"] and pool.room() == 1
+
+
+def pool_state(pool: PagePool) -> tuple:
+    return (list(pool.free), list(pool.host_free), pool.published, +pool.pins, +pool.retained, list(pool.evictable),
+            list(pool.host_evictable), list(pool.demotable))
+
+
+OPS = st.lists(st.tuples(
+    st.sampled_from(["publish", "pin", "unpin", "retain", "release", "allocate"]),
+    st.lists(st.sampled_from(HASHES), max_size=5),
+), max_size=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(num_pages=st.integers(1, 6), host_pages=st.integers(0, 3), ops=OPS)
+def test_lists_of_hashes_change_the_pool_as_their_hashes_one_by_one(num_pages, host_pages, ops):
+    """Pins, unpins, retains and releases of a list leave the pool as the same calls hash by
+    hash do, orders included: the contract a bulk implementation of them must keep."""
+    bulk, single = PagePool(num_pages, host_pages), PagePool(num_pages, host_pages)
+    request_pins: Counter = Counter()  # what a request holds: unpins take only those
+    for op, hashes in ops:
+        if op == "publish":
+            hashes = [h for h in dict.fromkeys(hashes) if h not in bulk.published][: bulk.room()]
+            for pool in (bulk, single):
+                for block_hash in hashes:
+                    pool.publish(block_hash, pool.allocate())
+            request_pins.update(hashes)  # the publisher's pin
+            continue
+        if op == "allocate":
+            if bulk.room():
+                assert bulk.allocate() == single.allocate()
+            continue
+        if op == "unpin":
+            hashes = list((Counter(hashes) & request_pins).elements())
+            request_pins.subtract(hashes)
+        elif op == "release":
+            hashes = list((Counter(hashes) & bulk.retained).elements())
+        elif op == "pin":
+            request_pins.update(hashes)
+        getattr(bulk, op)(hashes)
+        for block_hash in hashes:
+            getattr(single, op)([block_hash])
+        assert pool_state(bulk) == pool_state(single)
+        assert not bulk.problems(set(range(num_pages)) - set(bulk.free) - set(bulk.published.values()),
+                                 +request_pins + bulk.retained)
+
+
+def test_a_hash_pinned_and_published_in_one_step_goes_in_the_order_of_the_calls():
+    """A hash pinned by one request and published by another in one ``add_block_hashes_batch``:
+    the order of the calls decides whether the recomputed page is published or stays a
+    duplicate, as with the calls one by one (a batched implementation must keep it)."""
+    import torch
+
+    from routed_experts_cache import RoutedExpertsCache
+
+    for order, duplicates in ((["reader", "recomputer"], 1), (["recomputer", "reader"], 0)):
+        cache = RoutedExpertsCache(4, 4, (2,))
+        cache.add_block_hashes("first", [b"x"])
+        cache.capture("first", 0, torch.zeros(4, 2, dtype=torch.uint8))
+        cache.finish("first")  # b"x" published, unpinned
+        cache.capture("recomputer", 0, torch.ones(4, 2, dtype=torch.uint8))  # its block 0, no hash yet
+        cache.add_block_hashes_batch(order, [[b"x"], [b"x"]])
+        assert cache.stats()["duplicate"] == duplicates, order
+        cache.check_consistency()

@@ -284,6 +284,39 @@ def test_reset_bumps_generation(engines, async_scheduling):
 
 
 @ASYNC
+def test_weight_update_returns_only_the_new_weights_rows(engines, async_scheduling):
+    """The RL loop: rollout, weight update (drain, new routing, prefix-cache reset with requests
+    running), the same prompts again. Tokens and block hashes are unchanged by the update, rows
+    are not: every row returned after it is the new weights' (the oracle changed), a request
+    running across it keeps the rows it already returned, and the repeated prompts hit only
+    blocks published after the update."""
+    setup = make_scheduler(lookahead=1, num_spec_tokens=2, async_scheduling=async_scheduling)
+    engine = engines(setup, seed=31)
+    rng = _rng(310)
+    shared = random_prompt(rng, 13)
+    prompts = [shared + random_prompt(rng, 6), shared + random_prompt(rng, 9)]
+    for k, prompt in enumerate(prompts):  # rollout 1, n = 2 per prompt
+        engine.add(make_request(setup, f"old{k}a", prompt, 6))
+        engine.add(make_request(setup, f"old{k}b", prompt, 6))
+    engine.run_until_finished("old0a", "old0b", "old1a", "old1b")
+    engine.add(make_request(setup, "across", shared + random_prompt(rng, 4), 30))
+    engine.run(until=lambda: len(engine.stats.outputs.get("across", ())) >= 3)
+    engine.update_weights()
+    for k, prompt in enumerate(prompts):  # rollout 2 on the same prompts
+        engine.add(make_request(setup, f"new{k}a", prompt, 6))
+        engine.add(make_request(setup, f"new{k}b", prompt, 6))
+    engine.flush()
+    assert engine.check_all_finished() == 9 and engine.weight_updates == 1
+    old, new = engine.assembled("old0a"), engine.assembled("new0a")
+    assert list(engine.requests["old0a"].all_token_ids) == list(engine.requests["new0a"].all_token_ids)
+    assert old.shape == new.shape and (old != new).any(axis=(1, 2)).all()  # every row changed
+    versions = engine.runner.emitted_versions
+    assert set(versions["old1b"].values()) == {0} and set(versions["new1b"].values()) == {1}
+    assert set(versions["across"].values()) == {0, 1}  # returned rows before and after the update
+    assert any(start > 0 for start, _ in engine.stats.spans["new0b"])  # a hit after the update
+
+
+@ASYNC
 def test_retained_pins_are_never_evicted(engines, async_scheduling):
     """0.33's retained / released block hashes (KV-aligned pins) against a small pool.
 
@@ -371,6 +404,8 @@ def test_randomized_workloads(engines, seed):
                 engine.abort(live[int(rng.integers(0, len(live)))])
         elif event < 0.095:
             engine.reset_prefix_cache()
+        elif event < 0.1:
+            engine.update_weights()
         engine.step()
     engine.flush()
     assert engine.check_all_finished() > 0

@@ -93,6 +93,7 @@ class SimEngine:
         self.aborted: set[str] = set()
         self.num_preemptions = Counter()
         self.engine_steps = 0  # step() calls that did something (schedule and/or consume an output)
+        self.weight_updates = 0  # update_weights() calls
         # KV load failures the scheduler handled (recompute policy), as observed around its
         # _handle_invalid_blocks; the runner follows the running requests it rolled back.
         self.rollbacks: list[RollbackEvent] = []
@@ -203,10 +204,34 @@ class SimEngine:
             handle, so = self.batch_queue.pop()
             self._update(so, handle.get_output())
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> None:
         self.drain()
-        if not self.scheduler.reset_prefix_cache(reset_running_requests=True):
+        if not self.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=reset_connector):
             raise HarnessError("prefix-cache reset failed")
+
+    def update_weights(self) -> None:
+        """An RL weight update as vLLM's users run it: finish the in-flight steps, load new
+        weights (every row computed from now on differs), reset the prefix cache with running
+        requests preempted, and the KV connector's cache (its KV is the old weights' too). A row
+        published or captured before it and returned after it fails the row checks.
+
+        vLLM cannot reset while a request waits for a KV connector's load or a finished one's
+        blocks wait for its store (its reset raises "Failed to reset KV cache even when all the
+        running requests are preempted"): the engine steps, adding nothing, until neither is
+        left, as an engine draining for a pause does."""
+        for _ in range(200):
+            if not any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or r.is_finished()
+                       for r in self.scheduler.requests.values()):
+                break
+            if not self.step():  # only finished requests' stores left: an empty step reports them
+                so = self.scheduler.schedule()
+                self._update(so, self.runner.execute(so).get_output())
+        else:
+            raise HarnessError("KV loads or stores still pending after 200 steps: no weight update possible")
+        self.drain()
+        self.runner.weights_version += 1
+        self.reset_prefix_cache(reset_connector=True)
+        self.weight_updates += 1
 
     def run(self, max_steps: int = 2000, until=None) -> None:
         for _ in range(max_steps):
@@ -242,7 +267,8 @@ class SimEngine:
         if tokens != self.runner.tokens[request_id][: len(tokens)]:
             raise HarnessError(f"{request_id}: scheduler tokens differ from the device's")
         start = min(request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens)
-        want = expected_rows(tokens, start, len(tokens) - 1)
+        emitted = self.runner.emitted_versions.get(request_id, {})
+        want = expected_rows(tokens, start, len(tokens) - 1, [emitted.get(p, 0) for p in range(len(tokens))])
         got = self.assembled(request_id)
         if got.shape != want.shape or not np.array_equal(got, want):
             raise HarnessError(

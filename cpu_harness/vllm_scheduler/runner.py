@@ -103,6 +103,8 @@ class SimModelRunner:
         self.block_tables: dict[str, list[int]] = {}  # KV block ids per request, as MRV2's block table
         self.kv_bad: set[int] = set()  # KV blocks whose content is invalid (failed load)
         self.last_drafts: dict[str, list[int]] = {}
+        self.weights_version = 0  # bumped by a weight update: every row computed after it differs
+        self.emitted_versions: dict[str, dict[int, int]] = {}  # request -> position -> weights of its returned row
         self.stats = RunStats()
         self.after_output = []  # callbacks(aux_output) run after every process_output
         self.after_begin_step = []  # callbacks(metadata) run after every begin_step
@@ -148,7 +150,10 @@ class SimModelRunner:
             states = self._states(request_id)
             if end > len(states):
                 raise HarnessError(f"{request_id}: rows up to {end}, only {len(states)} tokens exist")
-            want = np.stack([row_of(s) for s in states[start:end]]) if end > start else rows
+            # A row returned now was computed under the current weights: a weight update drains
+            # the engine and resets the prefix cache, so an older row is stale.
+            version = self.weights_version
+            want = np.stack([row_of(s, version) for s in states[start:end]]) if end > start else rows
             span = (poisoned or {}).get(request_id)
             if span is not None and end > start:
                 lo, hi = max(start, span[0]), min(end, span[1])
@@ -159,6 +164,7 @@ class SimModelRunner:
                 bad = [start + int(i) for i in np.nonzero((rows != want).reshape(len(rows), -1).any(1))[0]]
                 raise HarnessError(f"{request_id}: rows [{start}, {end}) differ from the oracle at positions {bad}")
             self.stats.rows_checked += rows.shape[0]
+            self.emitted_versions.setdefault(request_id, {}).update(dict.fromkeys(range(start, end), version))
             self.stats.outputs.setdefault(request_id, []).append((start, end))
 
     # -- KV connector (MRV2's ActiveKVConnector around the forward)
@@ -348,7 +354,7 @@ class SimModelRunner:
             first_bad = poison_starts.get(request_id)
             for position, token in enumerate(fed, start=real):
                 state = advance(state, token)
-                row = row_of(state)
+                row = row_of(state, self.weights_version)
                 if first_bad is not None and position >= first_bad:
                     row = poison(row)
                 rows.append(row)

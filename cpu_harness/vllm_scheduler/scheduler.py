@@ -30,7 +30,9 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, SlidingWindowSpec,
+)
 import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
@@ -89,6 +91,21 @@ class SchedulerSetup:
         return self.vllm_config.cache_config.block_size
 
 
+KV_GROUPS = ("full", "sliding", "mamba")
+
+
+def _extra_groups(kv_groups: str, block_size: int) -> list[KVCacheGroupSpec]:
+    """The groups beside the full-attention one (see ``make_scheduler``'s ``kv_groups``)."""
+    if kv_groups == "sliding":
+        spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                 sliding_window=2 * block_size)
+        return [KVCacheGroupSpec(["sliding"], spec)]
+    if kv_groups == "mamba":
+        spec = MambaSpec(block_size=2 * block_size, shapes=((2,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+        return [KVCacheGroupSpec(["mamba"], spec)]
+    return []
+
+
 def make_scheduler(
     *,
     lookahead: int,
@@ -103,6 +120,7 @@ def make_scheduler(
     kv_connector: dict | None = None,
     kv_tier: tuple[str, int] | None = None,
     scheduler_connector: str = "ours",
+    kv_groups: str = "full",
 ) -> SchedulerSetup:
     """The real 0.33 scheduler, configured the way the engine core builds it.
 
@@ -124,7 +142,18 @@ def make_scheduler(
     ``scheduler_connector``: the scheduler-side aux-output connector the scheduler builds:
     ``"ours"`` (``CacheSchedulerConnector``, what the plugin installs) or ``"vllm"`` (vLLM's
     ``AuxOutputSchedulerConnector``).
+
+    ``kv_groups``: the model's KV cache groups, which vLLM's hybrid KV cache manager serves
+    (its coordinator is chosen by the group count): ``"full"`` one full-attention group;
+    ``"sliding"`` a full-attention group beside a sliding-window one (gpt-oss's layout; window
+    ``2 * block_size``); ``"mamba"`` a full-attention group of ``block_size`` beside a Mamba
+    group in ``align`` mode of ``2 * block_size`` (a Qwen3-Next-like hybrid: the scheduler block
+    is their LCM, the hash block their GCD, so hashes are finer than the scheduler block).
     """
+    if kv_groups not in KV_GROUPS:
+        raise HarnessError(f"kv_groups must be one of {KV_GROUPS}, got {kv_groups!r}")
+    if kv_groups != "full" and (kv_connector is not None or kv_tier is not None):
+        raise HarnessError("hybrid KV groups run without a KV connector here (the stub serves one group)")
     if scheduler_connector not in SCHEDULER_CONNECTORS:
         raise HarnessError(f"scheduler_connector must be one of {sorted(SCHEDULER_CONNECTORS)}, got {scheduler_connector!r}")
     if kv_connector is not None and kv_tier is not None:
@@ -169,6 +198,9 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold, is_encoder_decoder=False,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    if kv_groups == "mamba":  # what HybridAttentionMambaModelConfig sets with prefix caching on
+        cache_config.mamba_cache_mode = "align"
+        cache_config.mamba_block_size = 2 * block_size
     vllm_config = VllmConfig(
         model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
         speculative_config=speculative_config, device_config=DeviceConfig(device="cpu"),
@@ -186,7 +218,8 @@ def make_scheduler(
         KVCacheTensor(size=page * num_blocks, layers=["layer"], layer_stride=page * num_blocks, block_stride=page)
     ]
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=kv_tensors, kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)],
+        num_blocks=num_blocks, kv_cache_tensors=kv_tensors,
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)] + _extra_groups(kv_groups, block_size),
     )
     cache_config.num_gpu_blocks = num_blocks
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)

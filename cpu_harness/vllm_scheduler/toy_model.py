@@ -2,6 +2,9 @@
 
 The row of position ``p`` comes from a chained hash of ``tokens[0..p]``, so rows computed for
 a rejected draft differ from the true row, and equal prefixes (prefix-cache hits) have equal rows.
+Rows also depend on the weights version (an RL weight update changes every row) while tokens
+do not: after an update the same prompt yields the same tokens and hashes but other rows, so a
+row kept across the update is caught.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ def advance(state: bytes, token: int) -> bytes:
     return hashlib.blake2b(state + int(token).to_bytes(4, "little", signed=True), digest_size=16).digest()
 
 
-def row_of(state: bytes) -> np.ndarray:
-    """Expert ids (layers, top_k) of the position whose prefix ends in ``state``."""
+def row_of(state: bytes, weights_version: int = 0) -> np.ndarray:
+    """Expert ids (layers, top_k) of the position whose prefix ends in ``state``, under the
+    weights of ``weights_version``."""
+    if weights_version:
+        state = hashlib.blake2b(state + weights_version.to_bytes(4, "little"), digest_size=16).digest()
     return (np.frombuffer(state, dtype=np.uint8)[: prod(ROW_SHAPE)] % NUM_EXPERTS).reshape(ROW_SHAPE)
 
 
@@ -50,12 +56,16 @@ def prefix_states(tokens) -> list[bytes]:
     return states
 
 
-def expected_rows(tokens, start: int, end: int) -> np.ndarray:
-    """Rows of positions ``[start, end)``: position p is a function of ``tokens[0..p]``."""
+def expected_rows(tokens, start: int, end: int, weights_versions=None) -> np.ndarray:
+    """Rows of positions ``[start, end)``: position p is a function of ``tokens[0..p]`` and of
+    ``weights_versions[p]`` (the weights its row was computed with; all 0 when not given)."""
     if not 0 <= start <= end <= len(tokens):
         raise HarnessError(f"expected rows [{start}, {end}) of a {len(tokens)}-token sequence")
     states = prefix_states(tokens[:end])
-    rows = [row_of(s) for s in states[start:end]]
+    versions = weights_versions if weights_versions is not None else [0] * end
+    if len(versions) < end:
+        raise HarnessError(f"weights versions of {len(versions)} positions, rows up to {end} expected")
+    rows = [row_of(s, v) for s, v in zip(states[start:end], versions[start:end])]
     return np.stack(rows) if rows else np.empty((0, *ROW_SHAPE), dtype=np.uint8)
 
 
