@@ -22,7 +22,7 @@ trap 'rm -rf "$logs"' EXIT
 run_tier() {  # run_tier NAME VENV PYTEST-ARGS...: run one tier into its log, then print it whole
   local name=$1 venv=$2; shift 2
   local log="$logs/$(echo "$name" | tr -c 'a-zA-Z0-9' _).log" started=$SECONDS
-  "$venv/bin/python" -m pytest -q "$@" > "$log" 2>&1
+  "$venv/bin/python" -m pytest -q --durations=12 "$@" > "$log" 2>&1
   local rc=$?
   {
     flock 9
