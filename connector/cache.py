@@ -34,8 +34,9 @@ do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segmen
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress
 from math import prod
+from operator import eq, not_
 
 import numpy as np
 import torch
@@ -868,21 +869,23 @@ class RoutedExpertsCache:
         first_block, own_start = request.first_block, request.own_start(size)
         if end > own_start and end > self._cursor_of(request):
             raise self._unavailable(request_id, request, start, end)
-        position, total = start, seg_start[-1]
-        while position < end:
-            block = position // size
-            if position >= own_start:
-                page = request.own_pages[block - first_block]
-            else:
-                page = self._pages.published.get(request.hashes[block]) if block < len(request.hashes) else None
-                if page is None:
-                    raise self._unavailable(request_id, request, start, end)
-            block_end = block * size + size
-            run_end = end if end < block_end else block_end
-            seg_source_row.append(page * size + position - block * size)
-            total += run_end - position
-            seg_start.append(total)
-            position = run_end
+        # One segment per block: prefix blocks through the published index, own blocks from
+        # the block map (map and slices, no Python per block).
+        first, last, own_first = start // size, (end - 1) // size, own_start // size
+        pages = []
+        if first < own_first:
+            prefix = request.hashes[first : min(last + 1, own_first)]
+            pages = list(map(self._pages.published.get, prefix))
+            if len(prefix) < min(last + 1, own_first) - first or None in pages:
+                raise self._unavailable(request_id, request, start, end)
+        if last >= own_first:
+            pages += request.own_pages[max(first, own_first) - first_block : last + 1 - first_block]
+        rows = [page * size for page in pages]
+        rows[0] += start - first * size
+        seg_source_row += rows
+        offset = seg_start[-1] - start
+        seg_start += range(offset + (first + 1) * size, offset + end, size)
+        seg_start.append(offset + end)
 
     def _check_range(self, request_id, start, end) -> None:
         """Refuse a read with a bad id or position, a reversed range or one past
@@ -934,10 +937,17 @@ class RoutedExpertsCache:
         if request is None:
             return
         self._slots.remove(request_id)
-        pinned = self._pinned_hashes(request)
-        published = {self._pages.published.get(block_hash) for block_hash in pinned}
-        self._pages.free.extend(page for page in reversed(request.own_pages) if page not in published)
-        self._pages.unpin(reversed(pinned))
+        if request.first_block is None:
+            self._pages.unpin(reversed(request.hashes))
+            return
+        # Own pages published under their block's hash stay (pinned by this request until the
+        # unpin below); every other own page (tail, pending, duplicate) is freed.
+        first_block, settled = request.first_block, request.num_settled
+        own, pages = request.hashes[first_block : first_block + settled], request.own_pages
+        kept = list(map(eq, map(self._pages.published.get, own), pages))
+        self._pages.free.extend(reversed(pages[settled:]))
+        self._pages.free.extend(compress(reversed(pages[:settled]), map(not_, reversed(kept))))
+        self._pages.unpin(chain(reversed(list(compress(own, kept))), reversed(request.hashes[:first_block])))
 
     def rewind(self, request_id, position: int) -> None:
         """Forget a request's captured rows from ``position`` on: the engine recomputes them.

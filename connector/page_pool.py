@@ -164,13 +164,17 @@ class PagePool:
     def unpin(self, hashes: Iterable[bytes]) -> None:
         """Drop one pin per hash; published hashes left unpinned become evictable in this order,
         device-published ones left with retains only become demotable."""
-        pins, published, evictable = self.pins, self.published, self.evictable
+        pins, published, evictable, retained = self.pins, self.published, self.evictable, self.retained
         for block_hash in hashes:
             left = pins[block_hash] - 1
             if left:
                 pins[block_hash] = left
-                if block_hash in published:
-                    self._place(block_hash)
+                # Still pinned, so in no order, unless every pin left is a retain (a pin held
+                # before this one was, so no order held it unless a release is dropping it).
+                if retained and left == retained.get(block_hash):
+                    page = published.get(block_hash)
+                    if page is not None and page < self.num_pages:
+                        self.demotable.setdefault(block_hash, None)
                 continue
             del pins[block_hash]
             page = published.get(block_hash)
@@ -180,10 +184,12 @@ class PagePool:
                 self._place(block_hash)
 
     def retain(self, hashes: list[bytes]) -> None:
-        self.retained.update(hashes)
-        self.pins.update(hashes)
+        retained, pins = self.retained, self.pins
+        retained.update(hashes)
+        pins.update(hashes)
         for block_hash in filter(self.published.__contains__, hashes):  # only published hashes have a place
-            self._place(block_hash)
+            if pins[block_hash] == retained[block_hash]:  # else pinned by a request before and now: in no order
+                self._place(block_hash)
 
     def release(self, hashes: list[bytes]) -> None:
         """Drop retains (the caller checked they exist), in this order."""
