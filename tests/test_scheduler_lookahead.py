@@ -317,6 +317,52 @@ def test_weight_update_returns_only_the_new_weights_rows(engines, async_scheduli
 
 
 @ASYNC
+@pytest.mark.parametrize("update", [False, True], ids=["pause", "pause-clear-update"])
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pause_modes_with_and_without_a_weight_update(engines, async_scheduling, mode, update):
+    """The RL loop's pause (vLLM 0.33 / 0.34's ``pause_scheduler`` modes over the real
+    scheduler): requests mid-decode, a pause, a request arriving while paused, and either a
+    plain resume (``clear_cache=False``) or new weights loaded after the pause cleared the
+    caches (the default). Nothing runs while paused; every row returned is the oracle's under
+    the weights it was computed with. Under "keep" without clearing, the frozen requests are
+    not preempted and continue with the old weights; with clearing, the reset preempts them,
+    they keep the rows they returned and get the new weights' for the rest. "abort" ends them
+    with what they returned; "wait" lets them finish before the pause completes."""
+    setup = make_scheduler(lookahead=1, num_spec_tokens=2, async_scheduling=async_scheduling)
+    engine = engines(setup, seed=41)
+    rng = _rng(410)
+    shared = random_prompt(rng, 13)
+    running = [f"run{k}" for k in range(3)]
+    for k, request_id in enumerate(running):
+        engine.add(make_request(setup, request_id, shared + random_prompt(rng, 5 + k), 24))
+    engine.run(until=lambda: all(len(engine.stats.outputs.get(r, ())) >= 3 for r in running))
+    preemptions = sum(engine.num_preemptions[r] for r in running)
+    engine.pause(mode, clear_cache=update)
+    finished_in_pause = set(engine.finished)
+    engine.add(make_request(setup, "queued", shared + random_prompt(rng, 7), 8))
+    returned = {r: list(spans) for r, spans in engine.stats.outputs.items()}
+    for _ in range(5):
+        engine.step()
+    assert {r: list(spans) for r, spans in engine.stats.outputs.items()} == returned  # paused: nothing ran
+    if update:
+        engine.load_new_weights()
+    engine.resume()
+    engine.flush()
+    assert engine.check_all_finished() == (1 if mode == "abort" else 4)  # every row against the oracle
+    versions = engine.runner.emitted_versions
+    assert set(versions["queued"].values()) == {int(update)}
+    if mode == "abort":
+        assert engine.aborted == set(running)
+    elif mode == "wait":
+        assert set(running) <= finished_in_pause and all(set(versions[r].values()) == {0} for r in running)
+    else:  # keep: frozen, then resumed
+        assert not set(running) & finished_in_pause
+        assert (sum(engine.num_preemptions[r] for r in running) > preemptions) == update
+        assert all(set(versions[r].values()) == ({0, 1} if update else {0}) for r in running)
+    assert engine.connector.cache.stats()["requests"] == 0
+
+
+@ASYNC
 def test_retained_pins_are_never_evicted(engines, async_scheduling):
     """0.33's retained / released block hashes (KV-aligned pins) against a small pool.
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from . import installed  # noqa: F401  (first: checks the installed vLLM, sets its environment)
 import numpy as np
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.request import Request, RequestStatus
 
 from .runner import RunStats, SimModelRunner
@@ -93,7 +94,7 @@ class SimEngine:
         self.aborted: set[str] = set()
         self.num_preemptions = Counter()
         self.engine_steps = 0  # step() calls that did something (schedule and/or consume an output)
-        self.weight_updates = 0  # update_weights() calls
+        self.weight_updates = 0  # new weights loaded (update_weights, or load_new_weights while paused)
         # KV load failures the scheduler handled (recompute policy), as observed around its
         # _handle_invalid_blocks; the runner follows the running requests it rolled back.
         self.rollbacks: list[RollbackEvent] = []
@@ -229,9 +230,37 @@ class SimEngine:
         else:
             raise HarnessError("KV loads or stores still pending after 200 steps: no weight update possible")
         self.drain()
-        self.runner.weights_version += 1
+        self.load_new_weights()
         self.reset_prefix_cache(reset_connector=True)
+
+    def load_new_weights(self) -> None:
+        """New weights in the device: every row computed from now on differs."""
+        self.runner.weights_version += 1
         self.weight_updates += 1
+
+    def pause(self, mode: str, clear_cache: bool = True) -> None:
+        """vLLM 0.33 / 0.34's ``pause_scheduler`` (``EngineCoreProc``'s, which admits "wait")
+        over the real scheduler. New requests queue in every mode; "abort" aborts every
+        request, "wait" steps until the running ones finish, "keep" freezes them (the scheduler
+        schedules nothing, ``PauseState.PAUSED_ALL``). The pause completes once the in-flight
+        steps are consumed; with ``clear_cache`` it then resets the prefix cache and the KV
+        connector's, with kept requests preempted (``_reset_caches``)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise HarnessError(f"pause mode {mode!r}")
+        if mode == "abort":
+            self.aborted.update(r.request_id for r in self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED))
+        self.scheduler.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
+        for _ in range(2000):  # the output queue drains; under "wait" the running requests too
+            if not self.batch_queue and (mode != "wait" or not self.scheduler.get_num_unfinished_requests()):
+                break
+            self.step()
+        else:
+            raise HarnessError(f"pause({mode!r}) did not drain in 2000 steps")
+        if clear_cache:
+            self.reset_prefix_cache(reset_connector=True)
+
+    def resume(self) -> None:
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
 
     def run(self, max_steps: int = 2000, until=None) -> None:
         for _ in range(max_steps):
