@@ -149,11 +149,13 @@ def make_scheduler(
     ``2 * block_size``); ``"mamba"`` a full-attention group of ``block_size`` beside a Mamba
     group in ``align`` mode of ``2 * block_size`` (a Qwen3-Next-like hybrid: the scheduler block
     is their LCM, the hash block their GCD, so hashes are finer than the scheduler block).
+    Hybrid groups run with a ``kv_tier`` (one KV tensor per group), not with the stub
+    ``kv_connector``.
     """
     if kv_groups not in KV_GROUPS:
         raise HarnessError(f"kv_groups must be one of {KV_GROUPS}, got {kv_groups!r}")
-    if kv_groups != "full" and (kv_connector is not None or kv_tier is not None):
-        raise HarnessError("hybrid KV groups run without a KV connector here (the stub serves one group)")
+    if kv_groups != "full" and kv_connector is not None:
+        raise HarnessError("hybrid KV groups run without the stub KV connector (it serves one group)")
     if scheduler_connector not in SCHEDULER_CONNECTORS:
         raise HarnessError(f"scheduler_connector must be one of {sorted(SCHEDULER_CONNECTORS)}, got {scheduler_connector!r}")
     if kv_connector is not None and kv_tier is not None:
@@ -213,14 +215,12 @@ def make_scheduler(
     if CONTRACT.has_model_runner_v1 and not vllm_config.use_v2_model_runner:
         raise HarnessError("routed experts need Model Runner V2")
     # SimpleCPUOffloadConnector sizes its tier from the KV tensor (and refuses a config without one).
-    page = kv_spec.page_size_bytes
+    groups = [KVCacheGroupSpec(["layer"], kv_spec)] + _extra_groups(kv_groups, block_size)
     kv_tensors = [] if kv_tier is None else [
-        KVCacheTensor(size=page * num_blocks, layers=["layer"], layer_stride=page * num_blocks, block_stride=page)
+        KVCacheTensor(size=page * num_blocks, layers=group.layer_names, layer_stride=page * num_blocks, block_stride=page)
+        for group in groups for page in [group.kv_cache_spec.page_size_bytes]
     ]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=kv_tensors,
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)] + _extra_groups(kv_groups, block_size),
-    )
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=kv_tensors, kv_cache_groups=groups)
     cache_config.num_gpu_blocks = num_blocks
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
