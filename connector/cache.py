@@ -1002,13 +1002,15 @@ class RoutedExpertsCache:
 
     def page_states(self) -> dict[int, str]:
         """State of every non-free page: 'tail', 'pending', 'duplicate' or 'published'."""
-        states = {page: "published" for page in self._pages.published.values() if page < self.num_pages}
+        num_pages, size = self.num_pages, self.page_size
+        states = {page: "published" for page in self._pages.published.values() if page < num_pages}
         for request in self._requests.values():
+            cursor = self._cursor_of(request)
             for offset, page in enumerate(request.own_pages):
                 if offset < request.num_settled:
                     if states.get(page) != "published":
                         states[page] = "duplicate"
-                elif (request.first_block + offset + 1) * self.page_size <= self._cursor_of(request):
+                elif (request.first_block + offset + 1) * size <= cursor:
                     states[page] = "pending"
                 else:
                     states[page] = "tail"

@@ -219,29 +219,33 @@ class PagePool:
     def problems(self, in_use: set[int], expected_pins: Counter) -> list[str]:
         """What breaks the invariant, given the device pages requests own and the pins they hold."""
         problems = []
+        num_pages = self.num_pages
         published = set(self.published.values())
-        host_used = {page for page in published if self.on_host(page)}
+        host_used = {page for page in published if page >= num_pages}
         if len(published) != len(self.published):
             problems.append("two hashes share a page")
-        if in_use & host_used or any(self.on_host(page) for page in in_use):
+        if in_use & host_used or max(in_use, default=-1) >= num_pages:
             problems.append("a request owns a host page")
         for free, used, first, count in (
-            (list(self.free), in_use | (published - host_used), 0, self.num_pages),
-            (list(self.host_free), host_used, self.num_pages, self.host_pages),
+            (list(self.free), in_use | (published - host_used), 0, num_pages),
+            (list(self.host_free), host_used, num_pages, self.host_pages),
         ):
             if len(set(free)) != len(free) or set(free) & used:
                 problems.append("a free page is also in use")
-            if len(free) + len(used) != count or any(not first <= page < first + count for page in (*free, *used)):
+            pages = (*free, *used)
+            if len(pages) != count or pages and (min(pages) < first or max(pages) >= first + count):
                 problems.append(f"{count - len(free) - len(used)} pages are in no state")
-        if +self.pins != expected_pins:
+        pinned = +self.pins
+        if pinned != expected_pins:
             problems.append("pin counts differ from the requests' hashes plus retained hashes")
-        unpinned = {h for h in self.published if self.pins[h] == 0}
-        if set(self.evictable) | set(self.host_evictable) != unpinned or set(self.host_evictable) != {
-            h for h in unpinned if self.on_host(self.published[h])
+        unpinned = self.published.keys() - pinned.keys()
+        if self.evictable.keys() | self.host_evictable.keys() != unpinned or self.host_evictable.keys() != {
+            h for h in unpinned if self.published[h] >= num_pages
         }:
             problems.append("the evictable sets differ from the unpinned published keys")
-        if set(self.demotable) != {
-            h for h, page in self.published.items() if not self.on_host(page) and 0 < self.pins[h] == self.retained[h]
+        if self.demotable.keys() != {  # pinned only by retains: a retained hash, as many pins as retains
+            h for h, retains in self.retained.items()
+            if retains > 0 and self.published.get(h, num_pages) < num_pages and pinned[h] == retains
         }:
             problems.append("the demotable set differs from the device-published keys pinned only by retains")
         return problems

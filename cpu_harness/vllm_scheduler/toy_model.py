@@ -10,6 +10,7 @@ row kept across the update is caught.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 from math import prod
 
 import numpy as np
@@ -35,12 +36,15 @@ def advance(state: bytes, token: int) -> bytes:
     return hashlib.blake2b(state + int(token).to_bytes(4, "little", signed=True), digest_size=16).digest()
 
 
+@lru_cache(maxsize=1 << 16)  # the row checks ask for the same positions again (the limits tier's time)
 def row_of(state: bytes, weights_version: int = 0) -> np.ndarray:
     """Expert ids (layers, top_k) of the position whose prefix ends in ``state``, under the
-    weights of ``weights_version``."""
+    weights of ``weights_version`` (read-only: shared between calls)."""
     if weights_version:
         state = hashlib.blake2b(state + weights_version.to_bytes(4, "little"), digest_size=16).digest()
-    return (np.frombuffer(state, dtype=np.uint8)[: prod(ROW_SHAPE)] % NUM_EXPERTS).reshape(ROW_SHAPE)
+    row = (np.frombuffer(state, dtype=np.uint8)[: prod(ROW_SHAPE)] % NUM_EXPERTS).reshape(ROW_SHAPE)
+    row.flags.writeable = False
+    return row
 
 
 def true_next_token(state: bytes) -> int:
