@@ -42,3 +42,20 @@ def test_host_benchmark_small_run(tmp_path):
     assert float(rows["output-contract floor"]["cpu_ratio_to_vllm"]) > 0
     assert rows["output-contract floor"]["rss_growth_MiB"] == "nan"  # not measured: not a connector
     assert (tmp_path / f"host_overhead_vllm{VLLM_VERSION}.png").stat().st_size > 0
+
+
+def test_host_ab_benchmark_compares_with_a_revision(tmp_path):
+    """bench_host_ab.py against HEAD: the revision's package is imported from git beside this
+    checkout's, both replay one trace and return identical rows; a CSV names the revision."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_host_ab.py"), "--against", "HEAD", "--concurrency", "16",
+         "--steps", "12", "--rounds", "2"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "identical rows" in done.stdout
+    with open(tmp_path / f"host_ab_vllm{VLLM_VERSION}.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert row["against"] == "HEAD" and int(row["concurrency"]) == 16 and int(row["step_samples"]) > 0
+    assert float(row["bookkeeping_ratio"]) > 0 and float(row["begin_step_ratio"]) > 0
