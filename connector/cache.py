@@ -342,13 +342,13 @@ class RoutedExpertsCache:
             self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
             self._commit_batch(batch, pages[num_new_pages:], table_slots, table_blocks)
-        for _, request, *_ in plans:
-            self._settle(request)
+        settling = [request for _, request, *_ in plans]
         requests = self._slots.requests
         for slot in completed if batch is not None else ():  # only these can have a block to settle
             request = requests[slot]
             if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
-                self._settle(request)
+                settling.append(request)
+        self._settle(settling)
         self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
     def _demote(self, demotions: list[tuple[int, int]]) -> None:
@@ -650,7 +650,7 @@ class RoutedExpertsCache:
     def add_block_hashes_step(self, request_ids: list, hash_lists: list[list[bytes]]) -> None:
         """``add_block_hashes_batch`` for an engine step whose ids and hashes the caller has
         checked: lists as ``checks.checked_hash_lists`` returns them."""
-        size = self.page_size
+        size, cursor, settling = self.page_size, self._slots.cursor, []
         for request_id, hashes in zip(request_ids, hash_lists):
             request = self._requests.get(request_id)
             if request is None:
@@ -659,13 +659,15 @@ class RoutedExpertsCache:
             first_new = len(request.hashes)
             request.hashes += hashes
             first_block = request.first_block
-            if first_block is None:
-                self._pages.pin(hashes)
-            else:
-                if first_new < first_block:
-                    self._pages.pin(hashes[: first_block - first_new])
-                if first_block + request.num_settled < self._slots.cursor[request.slot] // size:
-                    self._settle(request)  # a full own block may have its hash now
+            pins = hashes if first_block is None else hashes[: max(0, first_block - first_new)]
+            if pins:
+                if settling:  # the settles before this pin first: the calls' order decides duplicates
+                    self._settle(settling)
+                    settling = []
+                self._pages.pin(pins)
+            if first_block is not None and first_block + request.num_settled < cursor[request.slot] // size:
+                settling.append(request)  # a full own block may have its hash now
+        self._settle(settling)
 
     def retain(self, hashes: Iterable[bytes]) -> None:
         """Pin published (or future) blocks by hash, independent of any request."""
@@ -754,21 +756,25 @@ class RoutedExpertsCache:
             block_hash for block_hash, page in zip(own, request.own_pages) if self._pages.published.get(block_hash) == page
         ]
 
-    def _settle(self, request: _Request) -> None:
-        """Publish the request's full own blocks whose hashes are known.
+    def _settle(self, requests: list[_Request]) -> None:
+        """Publish the requests' full own blocks whose hashes are known, in request and block
+        order, with one ``publish_many`` for the step.
 
         A block whose hash another page publishes and someone pins stays a duplicate: this
         request keeps reading its own copy, freed at finish (``PagePool.publish``).
         """
-        if request.first_block is None:
-            return
-        first_block, settled = request.first_block, request.num_settled
-        settling = min(self._cursor_of(request) // self.page_size, len(request.hashes)) - first_block
-        if settling > settled:
-            self._pages.publish_many(
-                request.hashes[first_block + settled : first_block + settling], request.own_pages[settled:settling]
-            )
-            request.num_settled = settling
+        hashes, pages, cursor, size = [], [], self._slots.cursor, self.page_size
+        for request in requests:
+            first_block, settled = request.first_block, request.num_settled
+            if first_block is None:
+                continue
+            settling = min(int(cursor[request.slot]) // size, len(request.hashes)) - first_block
+            if settling > settled:
+                hashes += request.hashes[first_block + settled : first_block + settling]
+                pages += request.own_pages[settled:settling]
+                request.num_settled = settling
+        if hashes:
+            self._pages.publish_many(hashes, pages)
 
     # -------------------------------------------------------------------- read
 
