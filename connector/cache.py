@@ -261,11 +261,15 @@ class RoutedExpertsCache:
         cursor. Checked here as in ``capture_batch``: first captures (one
         by one: a start inside a block needs that block published), ``max_position``, room.
         """
+        first = (self._slots.first_block[slots] < 0).nonzero()[0]
+        if not len(first) and len(slots) <= batch_size.SMALL_BATCH and self._capture_continuing_small(
+            source, slots, starts, source_starts, counts
+        ):
+            return
         ends = starts + counts
         if len(ends) and largest(ends) > self.max_position:
             i = int(ends.argmax())
             self._check_span(request_ids[i], int(starts[i]), int(source_starts[i]), int(counts[i]), source.shape[0])
-        first = (self._slots.first_block[slots] < 0).nonzero()[0]
         plans, num_new_pages = [], 0
         if len(first):
             plans, num_new_pages = self._plan_captures(source.shape[0], [
@@ -279,6 +283,55 @@ class RoutedExpertsCache:
             batch = (slots, starts, source_starts, counts, new_pages)
         if plans or batch is not None:
             self._write(plans, num_new_pages, self._source_words(source), batch)
+
+    def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
+                                  source_starts: np.ndarray, counts: np.ndarray) -> bool:
+        """``capture_step``'s common case in one pass: a few continuing spans whose new blocks
+        all fit in free pages. Plain Python over the spans plans the copy segments and the
+        pages (the first free ones, in span order), one launch copies, then the block maps,
+        the table and the cursors take the pages and the full blocks settle. Returns False,
+        changing nothing, where it does not apply (a new block needs an evicted or demoted
+        page, or a span goes past ``max_position``): ``_write`` handles that step."""
+        size, requests, free, max_position = self.page_size, self._slots.requests, self._pages.free, self.max_position
+        source_rows, target_rows, lengths, new_blocks, completed = [], [], [], [], []
+        for slot, start, source_row, count in zip(slots.tolist(), starts.tolist(), source_starts.tolist(), counts.tolist()):
+            end = start + count
+            if end > max_position:
+                return False
+            if not count:
+                continue
+            request = requests[slot]
+            pages, first_block = request.own_pages, request.first_block
+            if end // size > start // size:
+                completed.append(request)
+            position = start
+            while position < end:
+                block = position // size
+                own_block = block - first_block
+                if own_block < len(pages):
+                    page = pages[own_block]
+                elif len(new_blocks) < len(free):
+                    page = free[len(new_blocks)]
+                    new_blocks.append((request, own_block))
+                else:
+                    return False
+                run_end = min(block * size + size, end)
+                source_rows.append(source_row)
+                target_rows.append(page * size + position - block * size)
+                lengths.append(run_end - position)
+                source_row += run_end - position
+                position = run_end
+        if lengths:
+            self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
+        if new_blocks:
+            pages = [free.popleft() for _ in new_blocks]
+            self._slots.set_pages([request.slot for request, _ in new_blocks], [block for _, block in new_blocks], pages)
+            for (request, _), page in zip(new_blocks, pages):
+                request.own_pages.append(page)  # in block order per request
+        self._slots.cursor[slots] = starts + counts
+        self._settle([r for r in completed if len(r.hashes) > r.first_block + r.num_settled])
+        self._counters["captured_rows"] += sum(lengths)
+        return True
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
         """The rows to copy, on the pool's device in its dtype, contiguous and aligned, in the

@@ -62,7 +62,12 @@ class RequestSlots:
             grown = np.full((self.table.shape[0], 1 << (width - 1).bit_length()), -1, dtype=np.int64)
             grown[:, : self.table.shape[1]] = self.table
             self.table = grown
-        self.table[slots, own_blocks] = pages
+        if type(pages) is list and len(pages) <= 8:  # a few cells: cheaper than converting three lists
+            table = self.table
+            for slot, own_block, page in zip(slots, own_blocks, pages):
+                table[slot, own_block] = page
+        else:
+            self.table[slots, own_blocks] = pages
 
     def lookup(self, request_ids: list) -> np.ndarray:
         """Slots of live requests, -1 for unknown ones; ids of the wrong type are refused."""

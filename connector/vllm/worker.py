@@ -415,7 +415,7 @@ class CacheWorkerConnector:
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
         counts = num_rows - rejected
-        if n and min(smallest(num_rows) - 1, smallest(rejected), smallest(counts)) < 0:
+        if n and smallest((num_rows - 1) | rejected | counts) < 0:  # the sign bit of any of them
             i = ((num_rows <= 0) | (rejected < 0) | (counts < 0)).nonzero()[0][0]
             raise ConnectorStateError(
                 f"request {request_ids[i]!r}: invalid step rows ({num_rows[i]} scheduled, {rejected[i]} rejected)"
@@ -471,7 +471,7 @@ class CacheWorkerConnector:
         host = self._copy_out(pending.snapshot)
         skipped = emit_starts - capture_starts  # > 0: rows of this step the client has (a re-attachment)
         row_ends = row_starts + counts
-        rows = list(map(host.__getitem__, map(slice, (row_starts + (skipped > 0) * skipped).tolist(), row_ends.tolist())))
+        rows = list(map(host.__getitem__, map(slice, (row_starts + np.maximum(skipped, 0)).tolist(), row_ends.tolist())))
         earlier = (skipped < 0).nonzero()[0]
         ends = capture_starts + counts
         if len(earlier):
