@@ -286,50 +286,21 @@ class RoutedExpertsCache:
 
     def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
                                   source_starts: np.ndarray, counts: np.ndarray) -> bool:
-        """``capture_step``'s common case in one pass: a few continuing spans whose new blocks
-        all fit in free pages. Plain Python over the spans plans the copy segments and the
-        pages (the first free ones, in span order), one launch copies, then the block maps,
-        the table and the cursors take the pages and the full blocks settle. Returns False,
-        changing nothing, where it does not apply (a new block needs an evicted or demoted
-        page, or a span goes past ``max_position``): ``_write`` handles that step."""
-        size, requests, free, max_position = self.page_size, self._slots.requests, self._pages.free, self.max_position
-        source_rows, target_rows, lengths, new_blocks, completed = [], [], [], [], []
-        for slot, start, source_row, count in zip(slots.tolist(), starts.tolist(), source_starts.tolist(), counts.tolist()):
-            end = start + count
-            if end > max_position:
-                return False
-            if not count:
-                continue
-            request = requests[slot]
-            pages, first_block = request.own_pages, request.first_block
-            if end // size > start // size:
-                completed.append(request)
-            position = start
-            while position < end:
-                block = position // size
-                own_block = block - first_block
-                if own_block < len(pages):
-                    page = pages[own_block]
-                elif len(new_blocks) < len(free):
-                    page = free[len(new_blocks)]
-                    new_blocks.append((request, own_block))
-                else:
-                    return False
-                run_end = min(block * size + size, end)
-                source_rows.append(source_row)
-                target_rows.append(page * size + position - block * size)
-                lengths.append(run_end - position)
-                source_row += run_end - position
-                position = run_end
+        """``capture_step``'s common case without ``_write``'s look-ahead layers: a few
+        continuing spans whose new blocks all take free pages (the first ones, in span order).
+        Returns False, changing nothing, where it does not apply (a new block needs an evicted
+        or demoted page, or a span goes past ``max_position``): ``_write`` handles that step."""
+        if len(starts) and largest(starts + counts) > self.max_position:
+            return False
+        batch = (slots, starts, source_starts, counts, None)
+        segments = self._continuing_segments_small(batch, self._pages.free)
+        if segments is None:
+            return False
+        source_rows, target_rows, lengths, table_slots, table_blocks, completed = segments
         if lengths:
             self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
-        if new_blocks:
-            pages = [free.popleft() for _ in new_blocks]
-            self._slots.set_pages([request.slot for request, _ in new_blocks], [block for _, block in new_blocks], pages)
-            for (request, _), page in zip(new_blocks, pages):
-                request.own_pages.append(page)  # in block order per request
-        self._slots.cursor[slots] = starts + counts
-        self._settle([r for r in completed if len(r.hashes) > r.first_block + r.num_settled])
+        self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
+        self._settle(self._settling(completed))
         self._counters["captured_rows"] += sum(lengths)
         return True
 
@@ -395,13 +366,7 @@ class RoutedExpertsCache:
             self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
             self._commit_batch(batch, pages[num_new_pages:], table_slots, table_blocks)
-        settling = [request for _, request, *_ in plans]
-        requests = self._slots.requests
-        for slot in completed if batch is not None else ():  # only these can have a block to settle
-            request = requests[slot]
-            if len(request.hashes) > request.first_block + request.num_settled:  # else nothing to settle
-                settling.append(request)
-        self._settle(settling)
+        self._settle([request for _, request, *_ in plans] + (self._settling(completed) if batch is not None else []))
         self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
     def _demote(self, demotions: list[tuple[int, int]]) -> None:
@@ -509,8 +474,18 @@ class RoutedExpertsCache:
         source_rows = source_starts[span] + first - starts[span]
         return source_rows, page * size + first - block * size, end - first, slots[span][is_new], own_block[is_new], completed
 
-    def _continuing_segments_small(self, batch, new_pages: list[int]):
-        """``_continuing_segments`` in plain Python over the spans (lists, no arrays)."""
+    def _settling(self, completed_slots: list[int]) -> list[_Request]:
+        """The requests of these slots (spans that completed a block) with a full own block
+        whose hash is known: the only ones with a block to settle."""
+        requests = self._slots.requests
+        return [
+            request for request in map(requests.__getitem__, completed_slots)
+            if len(request.hashes) > request.first_block + request.num_settled
+        ]
+
+    def _continuing_segments_small(self, batch, new_pages):
+        """``_continuing_segments`` in plain Python over the spans (lists, no arrays).
+        ``new_pages`` may be the free pages themselves: None if the spans need more of them."""
         slots, starts, source_starts, counts, _ = batch
         size, requests, taken = self.page_size, self._slots.requests, 0
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = [], [], [], [], [], []
@@ -527,11 +502,13 @@ class RoutedExpertsCache:
                 own_block = block - first_block
                 if own_block < len(pages):
                     page = pages[own_block]
-                else:
+                elif taken < len(new_pages):
                     page = new_pages[taken]
                     taken += 1
                     table_slots.append(slot)
                     table_blocks.append(own_block)
+                else:
+                    return None
                 run_end = block * size + size
                 if run_end > end:
                     run_end = end
@@ -558,7 +535,7 @@ class RoutedExpertsCache:
     def _commit_batch(self, batch, pages: list[int], table_slots, table_blocks) -> None:
         """Apply the continuing spans: new pages into the block maps and the block table (at
         the cells ``_continuing_segments`` named), cursors. Python per new page only; blocks
-        settle in ``_write``."""
+        settle in the caller."""
         slots, starts, _, counts, _ = batch
         if pages:
             self._slots.set_pages(table_slots, table_blocks, pages)
