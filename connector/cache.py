@@ -680,7 +680,7 @@ class RoutedExpertsCache:
     def add_block_hashes_step(self, request_ids: list, hash_lists: list[list[bytes]]) -> None:
         """``add_block_hashes_batch`` for an engine step whose ids and hashes the caller has
         checked: lists as ``checks.checked_hash_lists`` returns them."""
-        size, cursor, settling = self.page_size, self._slots.cursor, []
+        size, cursor, settling, pinning = self.page_size, self._slots.cursor, [], []
         for request_id, hashes in zip(request_ids, hash_lists):
             request = self._requests.get(request_id)
             if request is None:
@@ -691,12 +691,16 @@ class RoutedExpertsCache:
             first_block = request.first_block
             pins = hashes if first_block is None else hashes[: max(0, first_block - first_new)]
             if pins:
-                if settling:  # the settles before this pin first: the calls' order decides duplicates
+                if settling:  # pins, then settles, in the calls' order: it decides duplicates
+                    if pinning:
+                        self._pages.pin(pinning)
                     self._settle(settling)
-                    settling = []
-                self._pages.pin(pins)
+                    settling, pinning = [], []
+                pinning += pins
             if first_block is not None and first_block + request.num_settled < cursor[request.slot] // size:
                 settling.append(request)  # a full own block may have its hash now
+        if pinning:
+            self._pages.pin(pinning)
         self._settle(settling)
 
     def retain(self, hashes: Iterable[bytes]) -> None:

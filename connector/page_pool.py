@@ -138,13 +138,20 @@ class PagePool:
 
     def publish_many(self, hashes: list[bytes], pages: list[int]) -> None:
         """``publish`` each pair in order: one dict update when none of the hashes is published
-        yet (a request's newly full blocks, the common case), else one by one."""
-        if self.published.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
-            self.published.update(zip(hashes, pages))
-            self.pins.update(hashes)
+        yet (a request's newly full blocks, the common case), else ``publish`` inlined for new
+        hashes and for pinned ones (duplicates: nothing changes), and called for the rest."""
+        published, pins = self.published, self.pins
+        if published.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+            published.update(zip(hashes, pages))
+            pins.update(hashes)
             self.published_blocks += len(hashes)
-        else:
-            for block_hash, page in zip(hashes, pages):
+            return
+        for block_hash, page in zip(hashes, pages):  # requests computing the same blocks at once
+            if block_hash not in published:
+                published[block_hash] = page
+                pins[block_hash] += 1
+                self.published_blocks += 1
+            elif not pins[block_hash]:
                 self.publish(block_hash, page)
 
     def unpublish(self, block_hash: bytes) -> None:

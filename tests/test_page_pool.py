@@ -175,12 +175,15 @@ def test_a_hash_pinned_and_published_in_one_step_goes_in_the_order_of_the_calls(
 
     from routed_experts_cache import RoutedExpertsCache
 
-    for order, duplicates in ((["reader", "recomputer"], 1), (["recomputer", "reader"], 0)):
+    hashes_of = {"reader": [b"x"], "recomputer": [b"x"], "late_reader": [b"y"]}  # a pin after both
+    for order, duplicates in (
+        (["reader", "recomputer"], 1), (["recomputer", "reader"], 0), (["reader", "recomputer", "late_reader"], 1),
+    ):
         cache = RoutedExpertsCache(4, 4, (2,))
         cache.add_block_hashes("first", [b"x"])
         cache.capture("first", 0, torch.zeros(4, 2, dtype=torch.uint8))
         cache.finish("first")  # b"x" published, unpinned
         cache.capture("recomputer", 0, torch.ones(4, 2, dtype=torch.uint8))  # its block 0, no hash yet
-        cache.add_block_hashes_batch(order, [[b"x"], [b"x"]])
+        cache.add_block_hashes_batch(order, [hashes_of[name] for name in order])
         assert cache.stats()["duplicate"] == duplicates, order
         cache.check_consistency()

@@ -3,12 +3,14 @@
 import contextlib
 import importlib
 import logging
+from types import SimpleNamespace
 from importlib.metadata import entry_points
 
+import numpy as np
 import pytest
 import vllm
 
-from routed_experts_cache import RoutedExpertsCacheError
+from routed_experts_cache import InvalidCaptureError, RoutedExpertsCacheError
 from routed_experts_cache.connector.vllm import plugin as vllm_plugin, worker as vllm_worker
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
@@ -128,6 +130,44 @@ def test_unpack_hashes_gives_what_vllms_packed_hashes_yield(item_size):
     assert vllm_worker.unpack_hashes(packed) == list(packed) and len(list(packed)) == 7
     assert vllm_worker.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size)) == []
     assert vllm_worker.unpack_hashes([b"a", b"bc"]) == [b"a", b"bc"]  # any other iterable: as a list
+
+
+@pytest.mark.parametrize("counts", [[], [0], [1, 0, 3], [2] * 5, [7, 0, 11, 1], [40, 3, 0, 25]])
+@pytest.mark.parametrize("item_size", [1, 8, 32])
+def test_step_hashes_unpack_as_vllms_packed_hashes_yield(counts, item_size):
+    """One step's packed hashes in one conversion (small steps sliced, large ones through numpy)
+    give what vLLM's iterator gives, zero bytes included; the pins' hashes come back apart."""
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    rng = np.random.default_rng(len(counts) * 100 + item_size)
+
+    def packed(count):
+        data = rng.integers(0, 256, count * item_size, dtype=np.uint8)
+        data[::3] = 0  # trailing and leading zero bytes in many hashes
+        return PackedBlockHashes(data=data.tobytes(), item_size=item_size)
+
+    values = {f"r{i}": packed(count) for i, count in enumerate(counts)}
+    for retained, released in ((None, None), (packed(4), None), (packed(2), packed(19))):
+        metadata = SimpleNamespace(  # the fields checked_step_hashes reads (pins: vLLM 0.33 and later)
+            block_hashes=values, retained_block_hashes=retained, released_block_hashes=released
+        )
+        ids, lists, got_retained, got_released = vllm_worker.checked_step_hashes(metadata)
+        assert ids == list(values) and lists == [list(v) for v in values.values()]
+        assert got_retained == list(retained or ()) and got_released == list(released or ())
+    assert vllm_worker.unpack_packed_lists([PackedBlockHashes(b"abcde", 2)]) is None  # a short last item
+    assert vllm_worker.unpack_packed_lists([PackedBlockHashes(b"ab", 2), PackedBlockHashes(b"abc", 3)]) is None
+    assert vllm_worker.unpack_packed_lists([[b"ab"]]) is None  # not packed: unpacked one by one, checked
+
+
+def test_step_hashes_that_are_not_packed_are_checked():
+    from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata, PackedBlockHashes
+
+    metadata = AuxOutputConnectorMetadata(
+        generation=0, requests={}, block_hashes={"a": PackedBlockHashes(b"ab", 2), "b": [b"ok", "not bytes"]},
+        finished_requests=(),
+    )
+    with pytest.raises(InvalidCaptureError, match="'b'.*'not bytes'"):
+        vllm_worker.checked_step_hashes(metadata)
 
 
 def test_version_table_names_every_supported_release_once():

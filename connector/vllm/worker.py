@@ -21,7 +21,8 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
+from operator import attrgetter
 from threading import Lock
 from typing import TYPE_CHECKING
 
@@ -93,14 +94,49 @@ def unpack_hashes(packed) -> list[bytes]:
     return list(packed)
 
 
+ITEM_SIZE, DATA = attrgetter("item_size"), attrgetter("data")
+SLICED_ITEMS = 16  # below it, slicing in comprehensions beats numpy's fixed cost
+
+
+def unpack_packed_lists(values: list) -> list[list[bytes]] | None:
+    """The hash lists of several ``PackedBlockHashes`` with one item size, through one numpy
+    conversion of their joined bytes (an ``S`` dtype would strip trailing zero bytes; ``V``
+    keeps every byte), split by each one's count; None when any of them is not such a value
+    (a list, a bytes-like ``data``, an item size that does not divide its data)."""
+    try:
+        sizes, datas = set(map(ITEM_SIZE, values)), list(map(DATA, values))
+    except AttributeError:
+        return None
+    if len(sizes) != 1:
+        return [] if not values else None
+    size = sizes.pop()
+    if type(size) is not int or size <= 0 or not set(map(type, datas)) <= {bytes}:
+        return None
+    lengths = list(map(len, datas))
+    if any(map(size.__rmod__, lengths)):  # a short last item: what vLLM's iterator yields
+        return None
+    if sum(lengths) < SLICED_ITEMS * size:
+        return [[data[i : i + size] for i in range(0, len(data), size)] for data in datas]
+    flat = np.frombuffer(b"".join(datas), dtype=f"V{size}").tolist()
+    ends = list(accumulate(map(size.__rfloordiv__, lengths)))
+    return list(map(flat.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+
+
 def checked_step_hashes(metadata) -> tuple[list, list[list[bytes]], list[bytes], list[bytes]]:
     """A step's block hashes ``(request ids, hash lists)`` and its retained and released
-    hashes, unpacked and checked once (non-empty bytes; the first bad one named)."""
+    hashes, unpacked and checked once (non-empty bytes; the first bad one named). vLLM's
+    packed hashes hold nothing else: only other values are checked."""
     hashed_ids = list(metadata.block_hashes)
-    hash_lists = list(map(unpack_hashes, metadata.block_hashes.values()))
-    retained = unpack_hashes(getattr(metadata, "retained_block_hashes", None) or ())
-    released = unpack_hashes(getattr(metadata, "released_block_hashes", None) or ())
-    if not all_hashes(list(chain(retained, released, *hash_lists))):
+    pins = [getattr(metadata, name, None) for name in ("retained_block_hashes", "released_block_hashes")]
+    packed = [*metadata.block_hashes.values(), *filter(None, pins)]
+    unpacked = unpack_packed_lists(packed)
+    checked = unpacked is not None
+    if not checked:
+        unpacked = list(map(unpack_hashes, packed))
+    hash_lists = unpacked[: len(hashed_ids)]
+    pinned = iter(unpacked[len(hashed_ids) :])
+    retained, released = (next(pinned) if values else [] for values in pins)
+    if not checked and not all_hashes(list(chain(retained, released, *hash_lists))):
         checked_hash_lists(hashed_ids, hash_lists)
         check_hashes(retained, "retained hashes")
         check_hashes(released, "released hashes")
