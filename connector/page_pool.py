@@ -172,6 +172,7 @@ class PagePool:
         """Drop one pin per hash; published hashes left unpinned become evictable in this order,
         device-published ones left with retains only become demotable."""
         pins, published, evictable, retained = self.pins, self.published, self.evictable, self.retained
+        num_pages, demotable = self.num_pages, self.demotable
         for block_hash in hashes:
             left = pins[block_hash] - 1
             if left:
@@ -180,14 +181,16 @@ class PagePool:
                 # before this one was, so no order held it unless a release is dropping it).
                 if retained and left == retained.get(block_hash):
                     page = published.get(block_hash)
-                    if page is not None and page < self.num_pages:
-                        self.demotable.setdefault(block_hash, None)
+                    if page is not None and page < num_pages:
+                        demotable.setdefault(block_hash, None)
                 continue
             del pins[block_hash]
             page = published.get(block_hash)
-            if page is not None and page < self.num_pages and not self.demotable:  # the common case, inlined
+            if page is None:
+                continue
+            if page < num_pages and not demotable:  # the common case, inlined
                 evictable[block_hash] = None
-            elif page is not None:
+            else:
                 self._place(block_hash)
 
     def retain(self, hashes: list[bytes]) -> None:

@@ -113,16 +113,19 @@ def test_pool_exhaustion_mid_batch_fails_the_step_and_keeps_other_rows():
     check_output(out, "a", 7, 8)
 
 
-@pytest.mark.parametrize("case", ["unknown", "finished"])
+@pytest.mark.parametrize("case", ["unknown", "finished", "two unknown"])
 def test_hashes_for_a_request_that_is_not_running_are_refused(case):
     driver = Driver()
     two_requests(driver)
     if case == "finished":
         driver.step(metadata(finished=["b"]), [])
-    target = "zz" if case == "unknown" else "b"
+    target = {"unknown": "zz", "finished": "b", "two unknown": "yy"}[case]
+    hashes = {"a": [block_hash("a", 1)], target: [block_hash(target, 0)]}
+    if case == "two unknown":  # the first one listed is named
+        hashes["xx"] = [block_hash("xx", 0)]
     before = driver.cache.stats()
-    with pytest.raises(ConnectorStateError, match=repr(target)):
-        driver.step(metadata({"a": 7}, hashes={"a": [block_hash("a", 1)], target: [block_hash(target, 0)]}), [])
+    with pytest.raises(ConnectorStateError, match=f"request {target!r}, which is not running"):
+        driver.step(metadata({"a": 7}, hashes=hashes), [])
     assert driver.cache.stats() == before  # a's hash was not applied either
     driver.expect_rows("a", 0, 7)
 

@@ -203,12 +203,13 @@ class CacheWorkerConnector:
     def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
         """Start tracking new requests: take their cache slots and reset those slots' state."""
         slots = self._cache.slots(request_ids)
-        if len(slots) and slots.max() >= len(self._pending):
-            grow = max(int(slots.max()) + 1, 2 * len(self._pending), 16) - len(self._pending)
+        slot_list = slots.tolist()
+        if max(slot_list, default=-1) >= len(self._pending):
+            grow = max(max(slot_list) + 1, 2 * len(self._pending), 16) - len(self._pending)
             for name in ("_emit_cursor", "_capture_cursor", "_scheduled_cursor", "_pending", "_finished"):
                 array = getattr(self, name)
                 setattr(self, name, np.concatenate([array, np.zeros(grow, dtype=array.dtype)]))
-        self._slot_of.update(zip(request_ids, slots.tolist()))
+        self._slot_of.update(zip(request_ids, slot_list))
         self._emit_cursor[slots] = emit_starts
         self._capture_cursor[slots] = -1
         self._scheduled_cursor[slots] = 0
@@ -351,12 +352,13 @@ class CacheWorkerConnector:
                     f"request {request_ids[i]!r}: scheduler emit start {emit_starts[i]} is ahead of the rows "
                     f"delivered so far ({self._emit_cursor[all_slots[i]]})"
                 )
-        for request_id in metadata.block_hashes:
-            if request_id not in known and request_id not in metadata.requests:
-                raise ConnectorStateError(
-                    f"block hashes for request {request_id!r}, which is not running (never scheduled, "
-                    f"or finished); running: {len(known)} requests"
-                )
+        stray = metadata.block_hashes.keys() - known.keys() - metadata.requests.keys()
+        if stray:
+            request_id = next(r for r in metadata.block_hashes if r in stray)  # the first, as listed
+            raise ConnectorStateError(
+                f"block hashes for request {request_id!r}, which is not running (never scheduled, "
+                f"or finished); running: {len(known)} requests"
+            )
         return new_generation, all_slots
 
     def prepare_output(self, input_batch: InputBatch) -> PendingCacheOutput | None:
