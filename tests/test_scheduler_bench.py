@@ -9,6 +9,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from cpu_harness.vllm_scheduler import CONTRACT, VLLM_VERSION  # first: fails outside vLLM 0.33 and 0.34
@@ -41,6 +42,10 @@ def test_host_benchmark_small_run(tmp_path):
     assert float(rows["routed-experts-cache"]["cpu_ratio_to_vllm"]) > 0
     assert float(rows["output-contract floor"]["cpu_ratio_to_vllm"]) > 0
     assert rows["output-contract floor"]["rss_growth_MiB"] == "nan"  # not measured: not a connector
+    # vLLM's connector applies its store updates on a writer thread: its CPU counts too.
+    assert float(rows[BUILTIN]["background_threads_cpu_ms"]) > 0
+    assert float(rows[BUILTIN]["cpu_median_ms"]) > float(rows[BUILTIN]["hook_thread_cpu_median_ms"])
+    assert float(rows["routed-experts-cache"]["background_threads_cpu_ms"]) == 0  # no thread of its own on CPU
     assert (tmp_path / f"host_overhead_vllm{VLLM_VERSION}.png").stat().st_size > 0
 
 
@@ -59,3 +64,67 @@ def test_host_ab_benchmark_compares_with_a_revision(tmp_path):
         (row,) = csv.DictReader(f)
     assert row["against"] == "HEAD" and int(row["concurrency"]) == 16 and int(row["step_samples"]) > 0
     assert float(row["bookkeeping_ratio"]) > 0 and float(row["begin_step_ratio"]) > 0
+
+
+def test_host_profile_names_where_each_step_goes(tmp_path):
+    """profile_host.py writes, per size, self time and calls per step of the connector's and
+    the cache's methods: every hook is there, once per step."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "profile_host.py"), "--concurrency", "16", "--steps", "12"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = (tmp_path / f"profile_16_requests_vllm{VLLM_VERSION}.txt").read_text().splitlines()
+    calls = {line.split()[0]: float(line.split()[-1]) for line in lines[:-1]}
+    for hook in ("begin_step", "prepare_output", "process_output"):
+        assert calls[f"CacheWorkerConnector.{hook}"] == 1.0
+    assert calls["RoutedExpertsCache.capture_step"] > 0 and lines[-1].startswith("total ")
+
+
+def test_self_time_charges_a_call_to_itself_not_its_caller():
+    """A caller that spends its time in a callee gets little of it (thread CPU, not wall)."""
+    from bench.profile_host import SelfTime
+
+    timer = SelfTime()
+
+    def busy(seconds):
+        started = time.thread_time()
+        while time.thread_time() - started < seconds:
+            pass
+
+    inner = timer.wrap("inner", busy)
+    outer = timer.wrap("outer", lambda: (busy(0.002), inner(0.05), inner(0.05)))
+    outer()
+    assert timer.calls == {"outer": 1, "inner": 2}
+    assert timer.seconds["inner"] >= 0.1 and timer.seconds["outer"] < 0.05
+
+
+def test_background_threads_count_only_threads_started_after_the_snapshot():
+    """The CPU clock of a thread started after the snapshot is read; one that ran before is not."""
+    import threading
+
+    from bench.bench_host import BackgroundThreads
+
+    def burn(seconds, done=None):
+        started = time.thread_time()
+        while time.thread_time() - started < seconds:
+            pass
+        if done is not None:
+            done.wait()
+
+    release = threading.Event()
+    earlier = threading.Thread(target=burn, args=(0.0, release))
+    earlier.start()
+    background = BackgroundThreads(set(threading.enumerate()))
+    assert background.cpu_seconds() == 0.0
+    later = threading.Thread(target=burn, args=(0.1, release))
+    later.start()
+    time.sleep(0.01)
+    first = background.cpu_seconds()  # found: counted from its start
+    while later.is_alive() and background.cpu_seconds() < 0.1:
+        time.sleep(0.01)
+    assert background.cpu_seconds() >= 0.1 > first - 1e-9
+    release.set()
+    earlier.join()
+    later.join()
