@@ -151,6 +151,7 @@ def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0
 
 HOOKS = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
 BACKGROUND = "background_threads"  # CPU of threads the connector started, per step (no wall time)
+TIMED = (*HOOKS, BACKGROUND)
 FLOOR = "output-contract floor"
 
 
@@ -258,7 +259,7 @@ def replay(setup, events, build) -> dict:
 
         connector._copy_out = timed_copy_out
     pendings, outputs = {}, []
-    timed = {hook: [] for hook in (*HOOKS, BACKGROUND)}  # per hook, in call order: (wall, cpu, copy cpu)
+    timed = {hook: [] for hook in TIMED}  # per hook, in call order: (wall, cpu, copy cpu)
     background_at_begin = []
 
     def timed_call(hook, fn, *args):
@@ -291,7 +292,7 @@ def replay(setup, events, build) -> dict:
     timed[BACKGROUND] = [(0.0, b - a, 0.0) for a, b in zip(background_at_begin, background_at_begin[1:])]
     steps = min(len(samples) for samples in timed.values())
     per_step = [
-        {hook: timed[hook][k] for hook in (*HOOKS, BACKGROUND)} for k in range(steps)
+        {hook: timed[hook][k] for hook in TIMED} for k in range(steps)
     ]
     return {"per_step": per_step, "outputs": outputs}
 
@@ -299,10 +300,9 @@ def replay(setup, events, build) -> dict:
 def summarize(impl: str, concurrency: int, samples: list[dict]) -> dict:
     """Medians over steps: all hooks and the connector's own threads together (wall: the
     hooks only; CPU; CPU without row copies; CPU of the hooks' thread alone) and per hook."""
-    parts = (*HOOKS, BACKGROUND)
     wall = [sum(s[h][0] for h in HOOKS) for s in samples]
-    cpu = [sum(s[h][1] for h in parts) for s in samples]
-    bookkeeping = [sum(s[h][1] - s[h][2] for h in parts) for s in samples]
+    cpu = [sum(s[h][1] for h in TIMED) for s in samples]
+    bookkeeping = [sum(s[h][1] - s[h][2] for h in TIMED) for s in samples]
     row = {
         "impl": impl, "concurrency": concurrency, "step_samples": len(samples),
         "median_ms": statistics.median(wall) * 1e3, "p90_ms": float(np.percentile(wall, 90)) * 1e3,
@@ -310,9 +310,9 @@ def summarize(impl: str, concurrency: int, samples: list[dict]) -> dict:
         "host_only_cpu_median_ms": statistics.median(bookkeeping) * 1e3,
         "hook_thread_cpu_median_ms": statistics.median(sum(s[h][1] for h in HOOKS) for s in samples) * 1e3,
     }
-    for hook in parts:
+    for hook in TIMED:
         row[f"{hook}_cpu_ms"] = statistics.median(s[hook][1] for s in samples) * 1e3
-    for hook in parts:  # per hook without the row copies: what the per-hook table compares
+    for hook in TIMED:  # per hook without the row copies: what the per-hook table compares
         row[f"{hook}_host_only_cpu_ms"] = statistics.median(s[hook][1] - s[hook][2] for s in samples) * 1e3
     return row
 
