@@ -13,9 +13,11 @@ before the model's stream has written it (with a control run without the wait, w
 """
 
 import random
+import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -139,6 +141,57 @@ def side_stream_ordering(device, trials: int = 10) -> tuple[int, int]:
     return trials, stale
 
 
+def decode_step_cost(setups, sizes=(16, 256, 1024), steps: int = 200) -> list[dict]:
+    """The connector's per-step device calls in steady decode (``capture_step`` of one row per
+    request from the step's snapshot, then the snapshot's device-to-host copy-out): host CPU
+    time of the calling thread and wall time to completion per step, Triton on this GPU
+    against the torch backend on CPU, the same calls. ``setups``: (backend, device) pairs."""
+    import time
+
+    results = []
+    for backend, where in setups:
+        for n in sizes:
+            cache = RoutedExpertsCache(4 * n * (64 + steps) // 16 + 64, 16, (48, 8), device=where, backend=backend)
+            ids = [f"r{i}" for i in range(n)]
+            prefill = torch.randint(0, 128, (n * 64, 48, 8), dtype=torch.int32, device=where)
+            cache.capture_batch(prefill, ids, [0] * n, list(range(0, 64 * n, 64)), [64] * n)
+            slots = cache.slots(ids)
+            snapshot = torch.randint(0, 128, (n, 48, 8), dtype=torch.int32, device=where)
+            rows = np.arange(n, dtype=np.int64)
+            ones = np.ones(n, dtype=np.int64)
+            cpu_ns, wall_ns = [], []
+            for step in range(steps):
+                if where.type == "cuda":
+                    torch.cuda.synchronize()
+                wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+                cache.capture_step(snapshot, ids, slots, np.full(n, 64 + step, dtype=np.int64), rows, ones)
+                host = snapshot.to(device="cpu", dtype=cache.dtype, copy=True).numpy()
+                cpu_ns.append(time.thread_time_ns() - cpu)
+                wall_ns.append(time.perf_counter_ns() - wall)
+            tail = cache.read("r0", 64, 64 + steps).cpu()
+            if not torch.equal(tail[-1], torch.from_numpy(host[0])):
+                raise SystemExit(f"decode steps on {backend}: the last captured row differs from the snapshot")
+            results.append({
+                "backend": f"{backend}/{where.type}", "requests": n,
+                "host_cpu_us": statistics.median(cpu_ns[20:]) / 1e3, "wall_us": statistics.median(wall_ns[20:]) / 1e3,
+            })
+    return results
+
+
+def compiled_registers() -> list[str]:
+    """Registers and spills of each compiled variant, as the driver loaded them (to set beside
+    ``kernel_static.py``'s ahead-of-time figures)."""
+    from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel
+
+    figures = []
+    for caches in _segment_copy_kernel.device_caches.values():
+        for kernel in caches[0].values():
+            kernel._init_handles()
+            figures.append(f"{kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, "
+                           f"{kernel.metadata.num_warps} warps, constants {sorted(kernel.src.constants.items())}")
+    return figures
+
+
 def compiled_variants() -> int:
     """Kernels Triton has compiled in this process (its per-device kernel caches)."""
     from routed_experts_cache.kernels.segment_copy import _segment_copy_kernel
@@ -154,12 +207,19 @@ def main() -> None:
     before = compiled_variants()
     RoutedExpertsCache(8, 16, (48, 8), device=device, backend="triton")  # precompiles its row width
     precompiled = compiled_variants() - before
+    try:
+        print("\n".join(compiled_registers()))
+    except Exception as error:  # only a report: triton's kernel cache layout differs between releases
+        print(f"registers not read: {error!r}")
     reads = differential_workload(device)
     print(f"differential workload triton/cuda vs torch/cpu: {reads} reads equal", flush=True)
     compiled_while_serving = compiled_variants() - before - precompiled
     print(f"kernel variants: {precompiled} precompiled for the pool, {compiled_while_serving} compiled during the workload")
     exact, stale = side_stream_ordering(device)
     print(f"side stream: {exact} late snapshots read exactly; without the wait {stale} of {exact} reads were stale")
+    print("connector's device calls per decode step (capture_step + copy-out), medians:")
+    for row in decode_step_cost([("triton", device), ("torch", torch.device("cpu"))]):
+        print(f"  {row['backend']:12s} {row['requests']:5d} requests: host CPU {row['host_cpu_us']:8.1f} us, wall {row['wall_us']:8.1f} us")
     if compiled_while_serving:
         raise SystemExit("the workload compiled kernel variants that the pool did not precompile")
     print("GPU CHECK PASSED")
