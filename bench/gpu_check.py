@@ -141,6 +141,22 @@ def side_stream_ordering(device, trials: int = 10) -> tuple[int, int]:
     return trials, stale
 
 
+def decode_setup(backend: str, device, n: int, steps: int):
+    """A cache with ``n`` requests past a 64-row prefill, and the arguments of the connector's
+    ``capture_step`` for decode step ``step`` (one row per request from the step's snapshot)."""
+    cache = RoutedExpertsCache(4 * n * (64 + steps) // 16 + 64, 16, (48, 8), device=device, backend=backend)
+    ids = [f"r{i}" for i in range(n)]
+    prefill = torch.randint(0, 128, (n * 64, 48, 8), dtype=torch.int32, device=device)
+    cache.capture_batch(prefill, ids, [0] * n, list(range(0, 64 * n, 64)), [64] * n)
+    slots, rows, ones = cache.slots(ids), np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+    snapshot = torch.randint(0, 128, (n, 48, 8), dtype=torch.int32, device=device).to(cache.dtype)  # narrowed, as vLLM's capturer hands it
+
+    def step_arguments(step: int):
+        return snapshot, ids, slots, np.full(n, 64 + step, dtype=np.int64), rows, ones
+
+    return cache, step_arguments
+
+
 def decode_step_cost(setups, sizes=(16, 256, 1024), steps: int = 200) -> list[dict]:
     """The connector's per-step device calls in steady decode (``capture_step`` of one row per
     request from the step's snapshot, then the snapshot's device-to-host copy-out): host CPU
@@ -151,21 +167,15 @@ def decode_step_cost(setups, sizes=(16, 256, 1024), steps: int = 200) -> list[di
     results = []
     for backend, where in setups:
         for n in sizes:
-            cache = RoutedExpertsCache(4 * n * (64 + steps) // 16 + 64, 16, (48, 8), device=where, backend=backend)
-            ids = [f"r{i}" for i in range(n)]
-            prefill = torch.randint(0, 128, (n * 64, 48, 8), dtype=torch.int32, device=where)
-            cache.capture_batch(prefill, ids, [0] * n, list(range(0, 64 * n, 64)), [64] * n)
-            slots = cache.slots(ids)
-            snapshot = torch.randint(0, 128, (n, 48, 8), dtype=torch.int32, device=where)
-            rows = np.arange(n, dtype=np.int64)
-            ones = np.ones(n, dtype=np.int64)
+            cache, step_arguments = decode_setup(backend, where, n, steps)
             cpu_ns, wall_ns = [], []
             for step in range(steps):
+                arguments = step_arguments(step)
                 if where.type == "cuda":
                     torch.cuda.synchronize()
                 wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
-                cache.capture_step(snapshot, ids, slots, np.full(n, 64 + step, dtype=np.int64), rows, ones)
-                host = snapshot.to(device="cpu", dtype=cache.dtype, copy=True).numpy()
+                cache.capture_step(*arguments)
+                host = arguments[0].to(device="cpu", dtype=cache.dtype, copy=True).numpy()
                 cpu_ns.append(time.thread_time_ns() - cpu)
                 wall_ns.append(time.perf_counter_ns() - wall)
             tail = cache.read("r0", 64, 64 + steps).cpu()

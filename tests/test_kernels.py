@@ -286,3 +286,33 @@ def test_compiled_kernel_does_not_specialize_on_per_step_sizes_or_descriptor_off
     sizes, offsets = out.splitlines()
     assert sizes == str(["num_segments"])
     assert offsets == str(["seg_source_row_ptr", "seg_start_ptr", "seg_target_row_ptr"])
+
+
+def test_compiled_variants_launch_directly_once_found_and_unaligned_rows_go_through_the_jit():
+    # Compiled, the first launch of a variant goes through Triton's JIT and later ones skip it
+    # (segment_copy._compiled); both must copy exactly what the twin copies. A row pointer that
+    # is not 16-byte aligned is a variant the direct path never takes. Interpreted (CPU), every
+    # launch goes through the interpreter and nothing is kept.
+    from routed_experts_cache.kernels import segment_copy
+
+    gen = torch.Generator().manual_seed(13)
+    row_shape, dtype = (5, 4), torch.uint8  # 5 words a row (no other test's width): a one-row offset is 20 bytes
+    pool = random_rows(gen, NUM_PAGES * PAGE, row_shape, dtype)
+    segments, source_rows = scatter_segments(RUN_PATTERNS["unaligned"], PAGE, gen)
+    seg_start, seg_source_row, seg_target_row, total = descriptor(segments)
+    for trial in range(3):
+        rows = random_rows(gen, source_rows + 1, row_shape, dtype)
+        source = rows[1:] if trial == 2 else rows[:source_rows]  # trial 2: rows 20 bytes into their storage
+        expected = naive_copy(source, pool, segments)
+        on_device = rows.to(TEST_DEVICE)
+        source_on_device = on_device[1:] if trial == 2 else on_device[:source_rows]
+        assert bool(source_on_device.data_ptr() % 16) == (trial == 2)
+        out = pool.to(TEST_DEVICE, copy=True)
+        copy_segments(as_row_words(source_on_device), as_row_words(out),
+                      *(t.to(TEST_DEVICE) for t in (seg_start, seg_source_row, seg_target_row)), total)
+        assert torch.equal(out.cpu(), expected), f"trial {trial}"
+        kept = [key for key in segment_copy._compiled if key[1] == torch.int32 and key[-3] == 5]  # words, ROW_WORDS
+        if ON_CPU:
+            assert not segment_copy._compiled
+        else:
+            assert len(kept) == 1, kept  # the aligned variant only, found by the first launch
