@@ -43,9 +43,10 @@ def test_host_benchmark_small_run(tmp_path):
     assert float(rows["output-contract floor"]["cpu_ratio_to_vllm"]) > 0
     assert rows["output-contract floor"]["rss_growth_MiB"] == "nan"  # not measured: not a connector
     # vLLM's connector applies its store updates on a writer thread: its CPU counts too.
-    assert float(rows[BUILTIN]["background_threads_cpu_ms"]) > 0
-    assert float(rows[BUILTIN]["cpu_median_ms"]) > float(rows[BUILTIN]["hook_thread_cpu_median_ms"])
-    assert float(rows["routed-experts-cache"]["background_threads_cpu_ms"]) == 0  # no thread of its own on CPU
+    # (the mean: the writer may wake once for several of 12 steps, leaving the median at 0)
+    assert float(rows[BUILTIN]["background_threads_cpu_mean_ms"]) > 0
+    assert float(rows[BUILTIN]["cpu_median_ms"]) >= float(rows[BUILTIN]["hook_thread_cpu_median_ms"])
+    assert float(rows["routed-experts-cache"]["background_threads_cpu_mean_ms"]) == 0  # no thread of its own on CPU
     assert (tmp_path / f"host_overhead_vllm{VLLM_VERSION}.png").stat().st_size > 0
 
 
