@@ -15,6 +15,7 @@ before the model's stream has written it (with a control run without the wait, w
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -162,8 +163,6 @@ def decode_step_cost(setups, sizes=(16, 256, 1024), steps: int = 200) -> list[di
     request from the step's snapshot, then the snapshot's device-to-host copy-out): host CPU
     time of the calling thread and wall time to completion per step, Triton on this GPU
     against the torch backend on CPU, the same calls. ``setups``: (backend, device) pairs."""
-    import time
-
     results = []
     for backend, where in setups:
         for n in sizes:

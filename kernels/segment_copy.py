@@ -18,7 +18,8 @@ Compiled variants: Triton would specialize on every int argument's divisibility 
 every pointer's alignment. Segment counts change every step and the descriptor is sliced at
 arbitrary offsets, so those arguments are not specialized; what is left is one variant per
 (row words, word dtype), compiled up front by ``precompile`` so that a serving step never
-waits for a compile.
+waits for a compile. Once found, a variant is launched directly, without the JIT's per-call
+binding (``_compiled``).
 """
 
 import torch
