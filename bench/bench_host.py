@@ -249,6 +249,14 @@ def replay(setup, events, build) -> dict:
             copy_cpu[0] += time.thread_time() - started
 
         cache._copy = timed_copy
+        copy_rows = cache._copy_rows  # small copies: torch index copies by row
+
+        def timed_copy_rows(*args):
+            started = time.thread_time()
+            copy_rows(*args)
+            copy_cpu[0] += time.thread_time() - started
+
+        cache._copy_rows = timed_copy_rows
         copy_out = connector._copy_out
 
         def timed_copy_out(snapshot):

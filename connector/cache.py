@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, compress
 from math import prod
-from operator import eq, not_
+from operator import add, eq, not_
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from .request_slots import RequestSlots
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
 # Positions fit int32, as in vLLM's batch arrays; far beyond any model's context length.
 DEFAULT_MAX_POSITION = 2**31
+# Up to this many rows, a small-batch copy goes by torch index copies (``_copy_small``): the
+# per-row index costs less to build than the kernel's launch costs the host.
+SMALL_COPY_ROWS = 256
 
 
 def _as_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -582,10 +585,16 @@ class RoutedExpertsCache:
             self._slots.set_pages(table_slots, table_blocks, pages)
 
     def _copy_on_device(self, source, target, lengths, seg_source_row, seg_target_row) -> None:
-        """One host-to-device descriptor copy, one kernel launch; segment i copies
-        ``lengths[i]`` rows from ``seg_source_row[i]`` to ``seg_target_row[i]``."""
+        """Segment i copies ``lengths[i]`` rows from ``seg_source_row[i]`` to ``seg_target_row[i]``:
+        one host-to-device descriptor copy and one kernel launch, or, for the small-batch path's
+        segments of up to ``SMALL_COPY_ROWS`` rows in all, torch index copies by row."""
         n = len(lengths)
         if type(lengths) is list:  # the small-batch path's segments: one conversion, no array passes
+            rows = sum(lengths)
+            if rows <= SMALL_COPY_ROWS:
+                if rows:
+                    self._copy_small(source, target, lengths, seg_source_row, seg_target_row, rows)
+                return
             descriptor = np.fromiter(chain((0,), accumulate(lengths), seg_source_row, seg_target_row), np.int32, 3 * n + 1)
         else:
             descriptor = np.empty(3 * n + 1, dtype=np.int32)
@@ -599,6 +608,39 @@ class RoutedExpertsCache:
             on_device = torch.from_numpy(descriptor).to(self.device, non_blocking=True)
             parts = (on_device[: n + 1], on_device[n + 1 : 2 * n + 1], on_device[2 * n + 1 :])
         self._copy(source, target, *parts, int(descriptor[n]))
+
+    def _copy_small(self, source, target, lengths: list, seg_source_row: list, seg_target_row: list, rows: int) -> None:
+        """A few hundred rows at most, as torch index copies: each row's source and target, one
+        host-to-device copy of both, then a slice or ``index_select`` of the source and an
+        ``index_copy_`` into the target (or one ``index_select`` into a packed gather's target).
+        On an H200 these launches cost the host about a third of the kernel's (upload and
+        launch, ``bench/bench_small_scatter.py``), and the rows of a decode step are few."""
+        if rows == len(lengths):  # one row per segment: a decode step's captures
+            source_rows, target_rows = seg_source_row, seg_target_row
+        else:
+            source_rows, target_rows = (
+                list(chain.from_iterable(map(range, firsts, map(add, firsts, lengths))))
+                for firsts in (seg_source_row, seg_target_row)
+            )
+        index = torch.from_numpy(np.fromiter(chain(source_rows, target_rows), np.int64, 2 * rows))
+        if index.device != self.device:
+            index = index.to(self.device, non_blocking=True)
+        first = source_rows[0]
+        contiguous = source_rows[-1] - first == rows - 1 and all(map(eq, source_rows[1:], range(first + 1, first + rows)))
+        packed = source is not target and target.shape[0] == rows and all(map(eq, target_rows, range(rows)))
+        self._copy_rows(source, target, index[:rows], index[rows:], first if contiguous else None, packed)
+
+    @staticmethod
+    def _copy_rows(source, target, source_index, target_index, source_first, packed_target: bool) -> None:
+        """``target[target_index] = source[source_index]``; ``source_first``: the source rows
+        are ``source_first`` on, contiguous (None: they are not); ``packed_target``: the target
+        rows are all of ``target``, in order."""
+        if packed_target:
+            torch.index_select(source, 0, source_index, out=target)
+        elif source_first is not None and source is not target:  # a view, no gather (not for pool-to-pool copies)
+            target.index_copy_(0, target_index, source[source_first : source_first + len(source_index)])
+        else:
+            target.index_copy_(0, target_index, source.index_select(0, source_index))
 
     def _plan_captures(self, num_source_rows: int, spans) -> tuple[list[tuple], int]:
         """Check every span against the request cursors as they will be; change nothing.

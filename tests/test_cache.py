@@ -20,6 +20,7 @@ from routed_experts_cache import (
     RoutedExpertsCache,
     RoutedExpertsCacheError,
 )
+from routed_experts_cache.connector.cache import SMALL_COPY_ROWS
 
 ROW = (3, 2)
 STATE_KEYS = ("free", "tail", "pending", "duplicate", "published", "evictable")
@@ -246,13 +247,15 @@ def test_empty_reads_and_captures(make_cache, gen):
     assert_unavailable(cache, "z", 0, 1)
 
 
-def test_one_device_launch_per_batched_call(make_cache, gen):
+def test_one_device_copy_per_batched_call(make_cache, gen):
     """Many requests in one call, whether their spans take the array path (continuing rows,
-    own rows) or the per-request one (first captures, prefix reads), cost one launch."""
+    own rows) or the per-request one (first captures, prefix reads), cost one copy: one
+    kernel launch, or, for a few rows, one set of torch index copies (``_copy_rows``)."""
     cache = make_cache(8)
     calls = []
-    copy = cache._copy
+    copy, copy_rows = cache._copy, cache._copy_rows
     cache._copy = lambda *args: (calls.append(args[-1]), copy(*args))
+    cache._copy_rows = lambda *args: (calls.append(len(args[2])), copy_rows(*args))
     rows = rand_rows(gen, 11)
     cache.capture_batch(rows, ["a", "b", "c"], [0, 0, 4], [0, 5, 9], [5, 4, 2])
     assert calls == [11]
@@ -1246,16 +1249,18 @@ def test_a_copy_that_fails_midway_unpublishes_the_pages_it_was_evicting(make_cac
     cache.capture("a", 0, rows)
     cache.add_block_hashes("a", [b"h0", b"h1"])
     cache.finish("a")  # both pages published and evictable
-    copy = cache._copy
+    copy, copy_rows = cache._copy, cache._copy_rows
 
-    def copy_then_fault(*args):
-        copy(*args)
-        raise RuntimeError("device fault after the copy")
+    def then_fault(copy):
+        def copy_then_fault(*args):
+            copy(*args)
+            raise RuntimeError("device fault after the copy")
+        return copy_then_fault
 
-    cache._copy = copy_then_fault
+    cache._copy, cache._copy_rows = then_fault(copy), then_fault(copy_rows)  # a kernel launch or index copies
     with pytest.raises(RuntimeError, match="device fault"):
         cache.capture("b", 0, rand_rows(gen, 5))  # evicts h0 (oldest), then h1
-    cache._copy = copy
+    cache._copy, cache._copy_rows = copy, copy_rows
     assert not cache.is_published(b"h0") and not cache.is_published(b"h1")
     stats = cache.stats()
     assert (stats["free"], stats["published"], stats["evictable"], stats["requests"]) == (2, 0, 0, 0)
@@ -1294,3 +1299,44 @@ def test_a_continuing_batch_that_needs_more_pages_than_exist_is_refused_whole(ma
     cache.capture_batch(source, ["a", "b", "c"], [1, 1, 1], [3, 4, 5], [1, 1, 1])  # fills their pages: fits
     assert_rows(cache.read_batch(["a", "b", "c"], [0] * 3, [2] * 3)[0], u8(source[[0, 3, 1, 4, 2, 5]]))
     assert_accounting(cache)
+
+
+
+@pytest.mark.parametrize("case", ["scatter", "scatter_contiguous", "gather_packed", "pool_to_pool"])
+@pytest.mark.parametrize("max_segment_rows", [1, 3])
+def test_small_copies_by_row_equal_the_segment_copy(make_cache, case, max_segment_rows):
+    """The small-batch path's copies (lists, up to ``SMALL_COPY_ROWS`` rows) go by torch index
+    copies by row; the same segments as arrays go through the segment copy (the kernel, or its
+    torch twin). Both leave the same target, for each kind of copy the cache makes: a step's
+    rows into pages (scattered or contiguous in the step), a read into a packed output, and
+    pages copied within the pool (seeds)."""
+    rng = np.random.default_rng(max_segment_rows)
+    n, row_shape, page_size, num_pages = 7, (5, 3), 4, 24
+    pool_rows = num_pages * page_size
+    lengths = rng.integers(1, max_segment_rows + 1, n).tolist()
+    rows = sum(lengths)
+    offsets = [sum(lengths[:i]) for i in range(n)]
+    slots = (rng.permutation(pool_rows // 3)[: 2 * n] * 3).tolist()  # disjoint 3-row runs of the pool
+    sources, targets = {
+        "scatter": ([3 * i + 1 for i in rng.permutation(n).tolist()], slots[:n]),
+        "scatter_contiguous": ([2 + o for o in offsets], slots[:n]),
+        "gather_packed": (slots[:n], offsets),
+        "pool_to_pool": (slots[n:], slots[:n]),
+    }[case]
+    start = torch.from_numpy(rng.integers(-(2**15), 2**15, (pool_rows, *row_shape), dtype=np.int16))
+    step_rows = torch.from_numpy(rng.integers(-(2**15), 2**15, (3 * n + 2, *row_shape), dtype=np.int16))
+    results = []
+    for segments in ((lengths, sources, targets), tuple(np.array(v, dtype=np.int64) for v in (lengths, sources, targets))):
+        cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape, dtype=torch.int16)
+        cache.pages.copy_(start.view(cache.pages.shape).to(cache.device))
+        source = target = cache._pool_words
+        if case == "gather_packed":
+            target = cache._copy_view(torch.zeros((rows, *row_shape), dtype=torch.int16, device=cache.device))
+        elif case != "pool_to_pool":
+            source = cache._copy_view(step_rows.to(cache.device))
+        cache._copy_on_device(source, target, *segments)
+        results.append(target.cpu().clone())
+    assert rows <= SMALL_COPY_ROWS
+    assert torch.equal(results[0], results[1])
+    before = torch.zeros_like(results[0]) if case == "gather_packed" else cache._copy_view(start)
+    assert not torch.equal(results[0], before)  # the copy wrote
