@@ -763,11 +763,23 @@ class RoutedExpertsCache:
             raise
         self._pages.release(released)
 
-    def _check_retained(self, hashes: list[bytes]) -> None:
+    def _check_retained(self, hashes: list[bytes], retained_before: Counter | None = None) -> None:
+        """Raise unless every hash of ``hashes`` is retained as often as it is listed, counting
+        ``retained_before`` (retains not applied yet, less their releases) as retained."""
         if hashes:
-            missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained[h] < n]
+            retained_before = retained_before or Counter()
+            missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained[h] + retained_before[h] < n]
             if missing:
                 raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
+
+    def check_pin_step(self, retained: list[bytes], released: list[bytes], retained_before: Counter) -> None:
+        """Raise as ``pin_step(retained, released)`` would after ``retained_before`` (net retains of
+        pin steps not applied yet); change nothing. The caller that defers pin steps checks
+        each one when it arrives, so applying them in order later cannot fail."""
+        if released:
+            before = Counter(retained_before)  # counts may be negative: releases of retains applied already
+            before.update(retained)
+            self._check_retained(released, before)
 
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""

@@ -199,6 +199,69 @@ def test_release_of_unretained_hash_is_refused_atomically():
     driver.step(metadata(released=[block_hash("a", 0)]), [])
 
 
+def test_pool_updates_wait_for_the_output_thread_and_apply_in_order():
+    """begin_step leaves the pool as it is (block hashes, pins, a finished request's pages):
+    the next process_output applies them, in the order the steps began, before its own
+    step; the pool seen through the connector has them at once."""
+    driver = Driver()
+    two_requests(driver)
+    pending = driver.launch(metadata({"b": 5}), [("b", 5, 1)])
+    before = driver.cache.stats()
+    driver.connector.begin_step(metadata({"b": 6}, hashes={"b": [block_hash("b", 0)]}, finished=["a"],
+                                         retained=[block_hash("a", 0)]))
+    assert driver.cache.stats() == before  # the model thread did not touch the pool
+    assert not driver.cache.is_published(block_hash("b", 0))
+    check_output(pending.process_output(), "b", 5, 6)  # applies the step begun meanwhile first
+    stats = driver.cache.stats()
+    assert stats["requests"] == 1 and driver.cache.is_published(block_hash("b", 0))
+    assert driver.cache.is_published(block_hash("a", 0))  # a's published block stays: retained
+    driver.step(metadata(released=[block_hash("a", 0)]), [])  # the retain is applied: its release is accepted
+    assert driver.connector.stats()["pinned_hashes"] == 1  # b's own block only
+
+
+def test_updates_of_a_step_without_output_are_applied_by_the_next_step():
+    """With no step output in flight nothing else would apply a step's deferred updates: the
+    next begin_step does (the deferred updates never span more than the steps in flight)."""
+    driver = Driver()
+    two_requests(driver)
+    driver.connector.begin_step(metadata(finished=["a"]))
+    assert driver.cache.stats()["requests"] == 2  # a's pages: deferred
+    driver.connector.begin_step(metadata())
+    assert driver.cache.stats()["requests"] == 1
+
+
+def test_a_request_id_scheduled_again_while_its_teardown_is_deferred_starts_fresh():
+    """vLLM may schedule a new request under a finished one's id: the pool lets go of the old
+    one first, and the new one's rows start at 0."""
+    driver = Driver()
+    two_requests(driver)
+    pending = driver.launch(metadata({"b": 5}), [("b", 5, 1)])  # keeps the pool updates deferred
+    driver.connector.begin_step(metadata(finished=["a"]))
+    again = driver.launch(metadata({"a": 0}), [("a", 0, 3)])
+    check_output(pending.process_output(), "b", 5, 6)
+    check_output(again.process_output(), "a", 0, 3)
+    assert driver.cache.stats()["requests"] == 2
+    driver.expect_rows("a", 0, 3)
+
+
+def test_releases_are_checked_against_deferred_pins_when_they_arrive():
+    """A release is refused at begin_step, changing nothing, unless the hash is retained as
+    often, counting the pins of steps whose pool updates are still deferred."""
+    driver = Driver()
+    two_requests(driver)
+    pending = driver.launch(metadata({"b": 5}), [("b", 5, 1)])  # keeps the following updates deferred
+    driver.connector.begin_step(metadata(retained=[block_hash("a", 0)]))
+    driver.connector.begin_step(metadata(released=[block_hash("a", 0)]))  # the deferred retain counts
+    before = driver.cache.stats()
+    with pytest.raises(RoutedExpertsCacheError, match="not retained"):
+        driver.connector.begin_step(metadata(released=[block_hash("a", 0)]))  # released already, deferred
+    with pytest.raises(RoutedExpertsCacheError, match="not retained"):
+        driver.connector.begin_step(metadata(retained=[block_hash("b", 0)], released=[block_hash("b", 0)] * 2))
+    assert driver.cache.stats() == before
+    check_output(pending.process_output(), "b", 5, 6)
+    assert driver.connector.stats()["pinned_hashes"] == 1  # a's own block (a still runs)
+
+
 def test_teardown_waits_for_outputs_in_flight():
     driver = Driver()
     two_requests(driver)

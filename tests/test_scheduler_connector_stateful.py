@@ -144,6 +144,7 @@ class ConnectorMachine(RuleBasedStateMachine):
             request.received += len(out.rows)
             COVERAGE["delivered_rows"] += len(out.rows)
             COVERAGE["materialized"] += out.token_start < request.confirmed - accepted
+        self.pool_matches_model()
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), roll=st.integers(0, 3))
@@ -186,6 +187,10 @@ class ConnectorMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self) -> None:
         self.cache.check_consistency()
+
+    def pool_matches_model(self) -> None:
+        """After a processed step the pool has every update of the steps begun so far (begin_step
+        defers them to the next process_output): its requests and retained blocks match the model."""
         in_flight = {request.id for _, entries in self.in_flight for request, _, _ in entries}
         assert self.cache.stats()["requests"] <= len(set(self.requests) | set(self.finishing) | in_flight)
         for block_hash in self.retained:

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
 from operator import attrgetter
@@ -199,6 +200,11 @@ class CacheWorkerConnector:
         self._pending = np.zeros(0, dtype=np.int64)  # step outputs in flight covering the request
         self._finished = np.zeros(0, dtype=bool)  # terminal event seen; teardown once pending is 0
         self._awaiting_teardown: set[str] = set()  # finished, with step outputs still in flight
+        # Pool updates of the steps begun (pins, block hashes, imports, teardowns), applied in
+        # order before the pool is next used: off the model thread, as vLLM's writer thread.
+        self._deferred: list[tuple] = []
+        self._deferred_teardowns: set[str] = set()  # requests the pool still holds
+        self._deferred_retains: Counter = Counter()  # net retains of the deferred pin steps
 
     def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
         """Start tracking new requests: take their cache slots and reset those slots' state."""
@@ -222,6 +228,10 @@ class CacheWorkerConnector:
 
     @property
     def cache(self) -> RoutedExpertsCache | None:
+        """The pool, with every step's updates applied."""
+        if self._deferred:
+            with self._lock:
+                self._apply_deferred()
         return self._cache
 
     def initialize_output_storage(self, kv_cache_config: KVCacheConfig) -> None:
@@ -248,6 +258,7 @@ class CacheWorkerConnector:
         drafts (async scheduling) and rolled back after failed KV loads, and the rows returned
         (``read_rows`` of those came from the pool, the rest from the step snapshots)."""
         with self._lock:
+            self._apply_deferred()
             cache_stats = self._cache.stats() if self._cache is not None else {}
             return {
                 **cache_stats, "reattachments": self._reattachments, "rollbacks": self._rollbacks,
@@ -257,9 +268,14 @@ class CacheWorkerConnector:
     # ---------------------------------------------------------- model thread
 
     def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
-        """Apply one scheduler step's requests, block hashes, pins and terminal events.
+        """Take one scheduler step's requests, block hashes, pins and terminal events.
 
-        The whole metadata is checked first: a refused step changes nothing.
+        The whole metadata is checked first: a refused step changes nothing. New requests
+        get their slots and finished ones leave the connector's state here; the pool updates
+        (pins, block hashes, imported rows, finished requests' pages) are deferred to the
+        next use of the pool, normally the next ``process_output`` on the output thread,
+        which applies them in order before its own step: every pool operation happens in the
+        order it would have here, and the model thread does not wait for them.
         """
         if not self._storage_ready and metadata is not None:
             raise ConnectorStateError(
@@ -277,32 +293,65 @@ class CacheWorkerConnector:
             self._step_metadata = metadata
             if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
-                # this metadata belong to the old generation and are dropped with it.
+                # this metadata and the deferred updates belong to the old generation and are
+                # dropped with it.
                 self._cache.reset()
                 self._clear()
                 self._generation = metadata.generation
-            elif retained or released:
-                self._cache.pin_step(retained, released)
+                retained = released = []
+            elif released:
+                self._cache.check_pin_step(retained, released, self._deferred_retains)  # refused here
+            if self._deferred and not self._pending_outputs:
+                self._apply_deferred()  # no process_output is coming to apply them
             new = (slots < 0).nonzero()[0]
             if len(new):
-                self._track([request_ids[i] for i in new.tolist()], emit_starts[new])
-            if hashed_ids:
-                self._cache.add_block_hashes_step(hashed_ids, hash_lists)
-            imports = getattr(metadata, "imported_rows", None)
-            if imports:
-                self._import_rows(imports, dict(zip(hashed_ids, hash_lists)))
+                new_ids = [request_ids[i] for i in new.tolist()]
+                if self._deferred_teardowns and not self._deferred_teardowns.isdisjoint(new_ids):
+                    self._apply_deferred()  # the pool still holds an earlier request of that id
+                self._track(new_ids, emit_starts[new])
+            teardowns = []
             if metadata.finished_requests:
-                self._finish([r for r in metadata.finished_requests if r in self._slot_of])
+                teardowns = self._finish([r for r in metadata.finished_requests if r in self._slot_of])
+            imports = getattr(metadata, "imported_rows", None)
+            if retained or released or hashed_ids or imports or teardowns:
+                self._deferred.append((retained, released, hashed_ids, hash_lists, imports, teardowns))
+                self._deferred_teardowns.update(teardowns)
+                if retained or released:
+                    self._deferred_retains.update(retained)
+                    self._deferred_retains.subtract(released)
 
-    def _finish(self, request_ids: list) -> None:
-        """Terminal events: tear a request down now, or once its outputs in flight are processed."""
-        if request_ids:
-            slots = self._slots(request_ids)
-            self._finished[slots] = True
-            idle = self._pending[slots] == 0
-            for i in idle.nonzero()[0].tolist():
-                self._teardown(request_ids[i])
-            self._awaiting_teardown.update(request_ids[i] for i in (~idle).nonzero()[0].tolist())
+    def _apply_deferred(self) -> None:
+        """Apply the deferred pool updates, step by step in the order the steps began (each
+        step's pins, block hashes, imported rows, then its finished requests)."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            for retained, released, hashed_ids, hash_lists, imports, teardowns in deferred:
+                if retained or released:
+                    self._cache.pin_step(retained, released)
+                if hashed_ids:
+                    self._cache.add_block_hashes_step(hashed_ids, hash_lists)
+                if imports:
+                    self._import_rows(imports, dict(zip(hashed_ids, hash_lists)))
+                for request_id in teardowns:
+                    self._cache.finish(request_id)
+        finally:
+            self._deferred_teardowns.clear()
+            self._deferred_retains.clear()
+
+    def _finish(self, request_ids: list) -> list:
+        """Terminal events: tear a request down now, or once its outputs in flight are processed.
+        Returns the requests torn down now, whose pages the pool frees with the step's updates."""
+        if not request_ids:
+            return []
+        slots = self._slots(request_ids)
+        self._finished[slots] = True
+        idle = self._pending[slots] == 0
+        torn_down = [request_ids[i] for i in idle.nonzero()[0].tolist()]
+        for request_id in torn_down:
+            self._awaiting_teardown.discard(request_id)
+            del self._slot_of[request_id]
+        self._awaiting_teardown.update(request_ids[i] for i in (~idle).nonzero()[0].tolist())
+        return torn_down
 
     def _import_rows(self, imports: dict, hashes_of: dict) -> None:
         """Publish rows a prefill instance computed (``row_transfer``) under the requests' own
@@ -442,7 +491,10 @@ class CacheWorkerConnector:
 
     def _commit(self, pending: PendingCacheOutput) -> dict[str, AuxRequestOutput]:
         """Capture the step's accepted rows and build its outputs: array passes over the batch,
-        with Python only where requests re-attach, roll back or read rows from before."""
+        with Python only where requests re-attach, roll back or read rows from before. The
+        pool updates of the steps begun since the last one come first."""
+        if self._deferred:
+            self._apply_deferred()
         if pending.num_sampled is None or pending.num_rejected is None:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
         request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
