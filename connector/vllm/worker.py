@@ -204,7 +204,6 @@ class CacheWorkerConnector:
         # order before the pool is next used: off the model thread, as vLLM's writer thread.
         self._deferred: list[tuple] = []
         self._deferred_teardowns: set[str] = set()  # requests the pool still holds
-        self._deferred_retains: Counter = Counter()  # net retains of the deferred pin steps
 
     def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
         """Start tracking new requests: take their cache slots and reset those slots' state."""
@@ -300,7 +299,7 @@ class CacheWorkerConnector:
                 self._generation = metadata.generation
                 retained = released = []
             elif released:
-                self._cache.check_pin_step(retained, released, self._deferred_retains)  # refused here
+                self._cache.check_pin_step(retained, released, self._deferred_retains())  # refused here
             if self._deferred and not self._pending_outputs:
                 self._apply_deferred()  # no process_output is coming to apply them
             new = (slots < 0).nonzero()[0]
@@ -316,9 +315,14 @@ class CacheWorkerConnector:
             if retained or released or hashed_ids or imports or teardowns:
                 self._deferred.append((retained, released, hashed_ids, hash_lists, imports, teardowns))
                 self._deferred_teardowns.update(teardowns)
-                if retained or released:
-                    self._deferred_retains.update(retained)
-                    self._deferred_retains.subtract(released)
+
+    def _deferred_retains(self) -> Counter:
+        """Net retains (retains less releases) of the deferred pin steps."""
+        net = Counter()
+        for retained, released, *_ in self._deferred:
+            net.update(retained)
+            net.subtract(released)
+        return net
 
     def _apply_deferred(self) -> None:
         """Apply the deferred pool updates, step by step in the order the steps began (each
@@ -336,7 +340,6 @@ class CacheWorkerConnector:
                     self._cache.finish(request_id)
         finally:
             self._deferred_teardowns.clear()
-            self._deferred_retains.clear()
 
     def _finish(self, request_ids: list) -> list:
         """Terminal events: tear a request down now, or once its outputs in flight are processed.
