@@ -27,14 +27,15 @@ start, ranges, room, releases of what was not retained).
 Every request also has a slot: its cursor and first captured block live in slot-indexed
 arrays, and a block table ``[slots, blocks]`` mirrors its own pages. Up to ``SMALL_BATCH``
 spans or intervals (``batch_size``), plain Python over them splits them at page boundaries (a fixed set of
-array passes costs more for a few dozen); above it, array passes over the slot arrays do.
+array passes costs more for a few dozen); above it, array passes over the slot arrays do, with
+a shorter set for a decode step (spans of at most a page, new blocks on free pages).
 Python also runs per new page, per request that settles blocks and for the spans the arrays
 do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segments``).
 """
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain, compress, islice
 from math import prod
 from operator import add, eq, not_
 
@@ -265,8 +266,10 @@ class RoutedExpertsCache:
         by one: a start inside a block needs that block published), ``max_position``, room.
         """
         first = (self._slots.first_block[slots] < 0).nonzero()[0]
-        if not len(first) and len(slots) <= batch_size.SMALL_BATCH and self._capture_continuing_small(
-            source, slots, starts, source_starts, counts
+        if not len(first) and (
+            self._capture_continuing_small(source, slots, starts, source_starts, counts)
+            if len(slots) <= batch_size.SMALL_BATCH
+            else self._capture_within_pages(source, slots, starts, source_starts, counts)
         ):
             return
         ends = starts + counts
@@ -305,6 +308,46 @@ class RoutedExpertsCache:
         self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
         self._settle(self._settling(completed))
         self._counters["captured_rows"] += sum(lengths)
+        return True
+
+    def _capture_within_pages(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
+                              source_starts: np.ndarray, counts: np.ndarray) -> bool:
+        """``capture_step``'s decode case above ``SMALL_BATCH``, in a fixed set of array passes:
+        continuing spans of at most a page each (a decode step's row and its speculative ones),
+        so that a span writes the rest of its current page and at most one new page (its first
+        if it starts on a page boundary, else its second), all of them free pages. Returns
+        False, changing nothing, where it does not apply: ``_write`` handles that step."""
+        size = self.page_size
+        ends = starts + counts
+        if int(counts.max()) > size or int(ends.max()) > self.max_position:
+            return False
+        if not counts.all():  # an empty span copies nothing and keeps its cursor
+            keep = counts.nonzero()[0]
+            slots, starts, source_starts, counts, ends = (values[keep] for values in (slots, starts, source_starts, counts, ends))
+        offsets = starts % size
+        heads = size - offsets  # the rows left in the span's current page
+        crossing = counts > heads
+        starting = offsets == 0  # a span on a page boundary begins a block (its first row is past the cursor)
+        takes = (starting | crossing).nonzero()[0]  # spans taking one new page each, in span order
+        if len(takes) > len(self._pages.free):
+            return False
+        blocks = starts // size - self._slots.first_block[slots]  # own block of each span's first row
+        table = self._slots.table
+        pages = table[slots, np.minimum(blocks, table.shape[1] - 1)]
+        new_pages = np.fromiter(islice(self._pages.free, len(takes)), dtype=np.int64, count=len(takes))
+        pages[starting] = new_pages[starting[takes]]
+        second = crossing.nonzero()[0]
+        if len(counts):
+            self._copy_on_device(
+                self._source_words(source), self._pool_words,
+                np.concatenate([np.minimum(counts, heads), counts[second] - heads[second]]),
+                np.concatenate([source_starts, source_starts[second] + heads[second]]),
+                np.concatenate([pages * size + offsets, new_pages[crossing[takes]] * size]),
+            )
+        self._commit_batch((slots, starts, None, counts, None), self._pages.allocate_many(len(takes)),
+                           slots[takes], blocks[takes] + crossing[takes])
+        self._settle(self._settling(slots[counts >= heads].tolist()))
+        self._counters["captured_rows"] += int(counts.sum())
         return True
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:

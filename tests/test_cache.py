@@ -1340,3 +1340,58 @@ def test_small_copies_by_row_equal_the_segment_copy(make_cache, case, max_segmen
     assert torch.equal(results[0], results[1])
     before = torch.zeros_like(results[0]) if case == "gather_packed" else cache._copy_view(start)
     assert not torch.equal(results[0], before)  # the copy wrote
+
+
+@pytest.mark.parametrize("free_pages", ["enough", "short"])
+def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, monkeypatch, free_pages):
+    """Above ``SMALL_BATCH`` requests, a step of continuing spans of at most a page each (decode,
+    speculative rows) is written by a fixed set of array passes (``_capture_within_pages``): a
+    span that crosses a page boundary, one that starts on one, an empty one. The pool it leaves
+    (rows, page states, block tables, published blocks) equals the general path's; where free
+    pages run short, it declines, changing nothing, and the general path evicts as before."""
+    from routed_experts_cache.connector import batch_size
+
+    n, page_size, row_shape = 2 * batch_size.SMALL_BATCH, 4, (3, 2)
+    rng = np.random.default_rng(7)
+    steps = [rng.integers(1, 3 * page_size, n), *(rng.integers(0, page_size + 1, n) for _ in range(8))]
+    ids, leaving = [f"r{i}" for i in range(n)], n // 4  # the first quarter finishes after step 3
+    blocks = -(-np.cumsum(steps, axis=0) // page_size)  # pages each request holds after each step
+    needed = max(int(blocks[:3].sum(axis=1).max()), int(blocks[-1, leaving:].sum()))
+    num_pages = needed + n if free_pages == "enough" else needed  # short: the finished ones' blocks get evicted
+    results, taken = [], []
+    for fast in (True, False):
+        cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape)
+        within_pages = cache._capture_within_pages
+        outcomes = []
+        monkeypatch.setattr(cache, "_capture_within_pages",
+                            (lambda *args: outcomes.append(within_pages(*args)) or outcomes[-1]) if fast else (lambda *args: False))
+        for request_id in ids:  # a hash for every block a request completes: its blocks publish
+            cache.add_block_hashes(request_id, [f"{request_id}-{b}".encode() for b in range(16)])
+        live, cursors = list(ids), np.zeros(n, dtype=np.int64)
+        gen = torch.Generator().manual_seed(3)
+        for step, counts in enumerate(steps):
+            if step == 3:
+                for request_id in ids[:leaving]:
+                    cache.finish(request_id)
+                live, cursors, counts = ids[leaving:], cursors[leaving:], counts[leaving:]
+            elif step > 3:
+                counts = counts[leaving:]
+            counts = np.asarray(counts, dtype=np.int64)
+            rows = torch.randint(0, 256, (int(counts.sum()), *row_shape), dtype=torch.uint8, generator=gen)
+            source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            cache.capture_step(rows, live, cache.slots(live), cursors.copy(), source_starts, counts)
+            cursors += counts
+        cache.check_consistency()
+        results.append((
+            cache.pages.cpu().clone(), cache.page_states(), dict(cache._pages.published), cache.stats(),
+            [cache.read(request_id, 0, int(cursor)) for request_id, cursor in zip(live, cursors)],
+        ))
+        taken.append(outcomes)
+    (pages, states, published, stats, reads), (pages_ref, states_ref, published_ref, stats_ref, reads_ref) = results
+    assert torch.equal(pages, pages_ref) and states == states_ref and published == published_ref and stats == stats_ref
+    assert all(torch.equal(a, b) for a, b in zip(reads, reads_ref))
+    assert stats["published"] > 0
+    if free_pages == "enough":
+        assert taken[0] == [True] * (len(steps) - 1) and stats["evictions"] == 0  # every decode step: array passes
+    else:
+        assert True in taken[0] and False in taken[0] and stats["evictions"] > 0  # declined once free pages ran out
