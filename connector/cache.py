@@ -319,10 +319,11 @@ class RoutedExpertsCache:
         False, changing nothing, where it does not apply: ``_write`` handles that step."""
         size = self.page_size
         ends = starts + counts
-        if int(counts.max()) > size or int(ends.max()) > self.max_position:
+        if np.count_nonzero(counts > size) or np.count_nonzero(ends > self.max_position):  # cheaper than max()
             return False
-        if not counts.all():  # an empty span copies nothing and keeps its cursor
-            keep = counts.nonzero()[0]
+        num_rows = sum(counts.tolist())
+        keep = counts.nonzero()[0]
+        if len(keep) < len(counts):  # an empty span copies nothing and keeps its cursor
             slots, starts, source_starts, counts, ends = (values[keep] for values in (slots, starts, source_starts, counts, ends))
         offsets = starts % size
         heads = size - offsets  # the rows left in the span's current page
@@ -347,7 +348,7 @@ class RoutedExpertsCache:
         self._commit_batch((slots, starts, None, counts, None), self._pages.allocate_many(len(takes)),
                            slots[takes], blocks[takes] + crossing[takes])
         self._settle(self._settling(slots[counts >= heads].tolist()))
-        self._counters["captured_rows"] += int(counts.sum())
+        self._counters["captured_rows"] += num_rows
         return True
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
