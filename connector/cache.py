@@ -630,8 +630,8 @@ class RoutedExpertsCache:
 
     def _copy_on_device(self, source, target, lengths, seg_source_row, seg_target_row) -> None:
         """Segment i copies ``lengths[i]`` rows from ``seg_source_row[i]`` to ``seg_target_row[i]``:
-        one host-to-device descriptor copy and one kernel launch, or, for the small-batch path's
-        segments of up to ``SMALL_COPY_ROWS`` rows in all, torch index copies by row."""
+        one host-to-device descriptor copy and one kernel launch, or, for up to
+        ``SMALL_COPY_ROWS`` rows in all, torch index copies by row."""
         n = len(lengths)
         if type(lengths) is list:  # the small-batch path's segments: one conversion, no array passes
             rows = sum(lengths)
@@ -643,7 +643,12 @@ class RoutedExpertsCache:
         else:
             descriptor = np.empty(3 * n + 1, dtype=np.int32)
             descriptor[0] = 0
-            descriptor[1 : n + 1] = np.cumsum(lengths)
+            np.cumsum(lengths, out=descriptor[1 : n + 1])
+            rows = int(descriptor[n])
+            if rows <= SMALL_COPY_ROWS:
+                if rows:
+                    self._copy_small(source, target, lengths, seg_source_row, seg_target_row, rows)
+                return
             descriptor[n + 1 : 2 * n + 1] = seg_source_row
             descriptor[2 * n + 1 :] = seg_target_row
         if self.device.type == "cpu":  # three views of the host array
@@ -653,25 +658,39 @@ class RoutedExpertsCache:
             parts = (on_device[: n + 1], on_device[n + 1 : 2 * n + 1], on_device[2 * n + 1 :])
         self._copy(source, target, *parts, int(descriptor[n]))
 
-    def _copy_small(self, source, target, lengths: list, seg_source_row: list, seg_target_row: list, rows: int) -> None:
+    def _copy_small(self, source, target, lengths, seg_source_row, seg_target_row, rows: int) -> None:
         """A few hundred rows at most, as torch index copies: each row's source and target, one
         host-to-device copy of both, then a slice or ``index_select`` of the source and an
         ``index_copy_`` into the target (or one ``index_select`` into a packed gather's target).
         On an H200 these launches cost the host about a third of the kernel's (upload and
-        launch, ``bench/bench_small_scatter.py``), and the rows of a decode step are few."""
-        if rows == len(lengths):  # one row per segment: a decode step's captures
-            source_rows, target_rows = seg_source_row, seg_target_row
+        launch, ``bench/bench_small_scatter.py``), and the rows of a decode step are few.
+        Segments as lists (the small-batch paths) are expanded in Python, as arrays in numpy."""
+        if type(lengths) is list:
+            if rows == len(lengths):  # one row per segment: a decode step's captures
+                source_rows, target_rows = seg_source_row, seg_target_row
+            else:
+                source_rows, target_rows = (
+                    list(chain.from_iterable(map(range, firsts, map(add, firsts, lengths))))
+                    for firsts in (seg_source_row, seg_target_row)
+                )
+            index = np.fromiter(chain(source_rows, target_rows), np.int64, 2 * rows)
+            first = source_rows[0]
+            contiguous = source_rows[-1] - first == rows - 1 and all(map(eq, source_rows[1:], range(first + 1, first + rows)))
+            packed = source is not target and target.shape[0] == rows and all(map(eq, target_rows, range(rows)))
         else:
-            source_rows, target_rows = (
-                list(chain.from_iterable(map(range, firsts, map(add, firsts, lengths))))
-                for firsts in (seg_source_row, seg_target_row)
-            )
-        index = torch.from_numpy(np.fromiter(chain(source_rows, target_rows), np.int64, 2 * rows))
+            index = np.empty(2 * rows, dtype=np.int64)
+            if rows == len(lengths):
+                index[:rows], index[rows:] = seg_source_row, seg_target_row
+            else:
+                within = np.arange(rows) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+                index[:rows] = np.repeat(seg_source_row, lengths) + within
+                index[rows:] = np.repeat(seg_target_row, lengths) + within
+            first = int(index[0])
+            contiguous = int(index[rows - 1]) - first == rows - 1 and not np.count_nonzero(np.diff(index[:rows]) - 1)
+            packed = source is not target and target.shape[0] == rows and not np.count_nonzero(index[rows:] - np.arange(rows))
+        index = torch.from_numpy(index)
         if index.device != self.device:
             index = index.to(self.device, non_blocking=True)
-        first = source_rows[0]
-        contiguous = source_rows[-1] - first == rows - 1 and all(map(eq, source_rows[1:], range(first + 1, first + rows)))
-        packed = source is not target and target.shape[0] == rows and all(map(eq, target_rows, range(rows)))
         self._copy_rows(source, target, index[:rows], index[rows:], first if contiguous else None, packed)
 
     @staticmethod

@@ -20,6 +20,7 @@ from routed_experts_cache import (
     RoutedExpertsCache,
     RoutedExpertsCacheError,
 )
+from routed_experts_cache.connector import cache as cache_module
 from routed_experts_cache.connector.cache import SMALL_COPY_ROWS
 
 ROW = (3, 2)
@@ -1302,14 +1303,14 @@ def test_a_continuing_batch_that_needs_more_pages_than_exist_is_refused_whole(ma
 
 
 
-@pytest.mark.parametrize("case", ["scatter", "scatter_contiguous", "gather_packed", "pool_to_pool"])
+@pytest.mark.parametrize("case", ["scatter", "scatter_contiguous", "gather_packed", "gather_permuted", "pool_to_pool"])
 @pytest.mark.parametrize("max_segment_rows", [1, 3])
-def test_small_copies_by_row_equal_the_segment_copy(make_cache, case, max_segment_rows):
-    """The small-batch path's copies (lists, up to ``SMALL_COPY_ROWS`` rows) go by torch index
-    copies by row; the same segments as arrays go through the segment copy (the kernel, or its
-    torch twin). Both leave the same target, for each kind of copy the cache makes: a step's
-    rows into pages (scattered or contiguous in the step), a read into a packed output, and
-    pages copied within the pool (seeds)."""
+def test_small_copies_by_row_equal_the_segment_copy(make_cache, monkeypatch, case, max_segment_rows):
+    """Copies of up to ``SMALL_COPY_ROWS`` rows go by torch index copies by row, their segments
+    expanded to rows in Python (lists, the small-batch paths) or in numpy (arrays); above it,
+    through the segment copy (the kernel, or its torch twin). All three leave the same target,
+    for each kind of copy the cache makes: a step's rows into pages (scattered or contiguous in
+    the step), a read into a packed output, and pages copied within the pool (seeds)."""
     rng = np.random.default_rng(max_segment_rows)
     n, row_shape, page_size, num_pages = 7, (5, 3), 4, 24
     pool_rows = num_pages * page_size
@@ -1321,24 +1322,30 @@ def test_small_copies_by_row_equal_the_segment_copy(make_cache, case, max_segmen
         "scatter": ([3 * i + 1 for i in rng.permutation(n).tolist()], slots[:n]),
         "scatter_contiguous": ([2 + o for o in offsets], slots[:n]),
         "gather_packed": (slots[:n], offsets),
+        "gather_permuted": (slots[:n], [rows - o - length for o, length in zip(offsets, lengths)]),  # last first
         "pool_to_pool": (slots[n:], slots[:n]),
     }[case]
     start = torch.from_numpy(rng.integers(-(2**15), 2**15, (pool_rows, *row_shape), dtype=np.int16))
     step_rows = torch.from_numpy(rng.integers(-(2**15), 2**15, (3 * n + 2, *row_shape), dtype=np.int16))
-    results = []
-    for segments in ((lengths, sources, targets), tuple(np.array(v, dtype=np.int64) for v in (lengths, sources, targets))):
+    results, as_arrays = [], tuple(np.array(v, dtype=np.int64) for v in (lengths, sources, targets))
+    for segments, by_row in (((lengths, sources, targets), True), (as_arrays, True), (as_arrays, False)):
+        monkeypatch.setattr(cache_module, "SMALL_COPY_ROWS", SMALL_COPY_ROWS if by_row else 0)
         cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape, dtype=torch.int16)
+        copies = []
+        for name in ("_copy", "_copy_rows"):
+            monkeypatch.setattr(cache, name, (lambda copy, name: lambda *args: (copies.append(name), copy(*args)))(getattr(cache, name), name))
         cache.pages.copy_(start.view(cache.pages.shape).to(cache.device))
         source = target = cache._pool_words
-        if case == "gather_packed":
+        if case.startswith("gather"):
             target = cache._copy_view(torch.zeros((rows, *row_shape), dtype=torch.int16, device=cache.device))
         elif case != "pool_to_pool":
             source = cache._copy_view(step_rows.to(cache.device))
         cache._copy_on_device(source, target, *segments)
+        assert copies == ["_copy_rows" if by_row else "_copy"]
         results.append(target.cpu().clone())
     assert rows <= SMALL_COPY_ROWS
-    assert torch.equal(results[0], results[1])
-    before = torch.zeros_like(results[0]) if case == "gather_packed" else cache._copy_view(start)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    before = torch.zeros_like(results[0]) if case.startswith("gather") else cache._copy_view(start)
     assert not torch.equal(results[0], before)  # the copy wrote
 
 
