@@ -1375,7 +1375,7 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
         for request_id in ids:  # a hash for every block a request completes: its blocks publish
             cache.add_block_hashes(request_id, [f"{request_id}-{b}".encode() for b in range(16)])
         live, cursors = list(ids), np.zeros(n, dtype=np.int64)
-        gen = torch.Generator().manual_seed(3)
+        gen, expected = torch.Generator().manual_seed(3), {request_id: [] for request_id in ids}
         for step, counts in enumerate(steps):
             if step == 3:
                 for request_id in ids[:leaving]:
@@ -1388,6 +1388,8 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
             source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
             cache.capture_step(rows, live, cache.slots(live), cursors.copy(), source_starts, counts)
             cursors += counts
+            for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
+                expected[request_id].append(rows[first : first + count])
         cache.check_consistency()
         results.append((
             cache.pages.cpu().clone(), cache.page_states(), dict(cache._pages.published), cache.stats(),
@@ -1397,6 +1399,7 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
     (pages, states, published, stats, reads), (pages_ref, states_ref, published_ref, stats_ref, reads_ref) = results
     assert torch.equal(pages, pages_ref) and states == states_ref and published == published_ref and stats == stats_ref
     assert all(torch.equal(a, b) for a, b in zip(reads, reads_ref))
+    assert all(torch.equal(read.cpu(), torch.cat(expected[request_id])) for read, request_id in zip(reads, ids[leaving:]))
     assert stats["published"] > 0
     if free_pages == "enough":
         assert taken[0] == [True] * (len(steps) - 1) and stats["evictions"] == 0  # every decode step: array passes
