@@ -324,7 +324,7 @@ class RoutedExpertsCache:
         num_rows = sum(counts.tolist())
         keep = counts.nonzero()[0]
         if len(keep) < len(counts):  # an empty span copies nothing and keeps its cursor
-            slots, starts, source_starts, counts, ends = (values[keep] for values in (slots, starts, source_starts, counts, ends))
+            slots, starts, source_starts, counts = (values[keep] for values in (slots, starts, source_starts, counts))
         offsets = starts % size
         heads = size - offsets  # the rows left in the span's current page
         crossing = counts > heads
@@ -632,23 +632,19 @@ class RoutedExpertsCache:
         """Segment i copies ``lengths[i]`` rows from ``seg_source_row[i]`` to ``seg_target_row[i]``:
         one host-to-device descriptor copy and one kernel launch, or, for up to
         ``SMALL_COPY_ROWS`` rows in all, torch index copies by row."""
-        n = len(lengths)
-        if type(lengths) is list:  # the small-batch path's segments: one conversion, no array passes
-            rows = sum(lengths)
-            if rows <= SMALL_COPY_ROWS:
-                if rows:
-                    self._copy_small(source, target, lengths, seg_source_row, seg_target_row, rows)
-                return
+        n, as_list = len(lengths), type(lengths) is list  # lists: the small-batch paths' segments
+        ends = None if as_list else np.cumsum(lengths)
+        rows = sum(lengths) if as_list else int(ends[-1]) if n else 0
+        if rows <= SMALL_COPY_ROWS:
+            if rows:
+                self._copy_small(source, target, lengths, seg_source_row, seg_target_row, rows)
+            return
+        if as_list:  # one conversion, no array passes
             descriptor = np.fromiter(chain((0,), accumulate(lengths), seg_source_row, seg_target_row), np.int32, 3 * n + 1)
         else:
             descriptor = np.empty(3 * n + 1, dtype=np.int32)
             descriptor[0] = 0
-            np.cumsum(lengths, out=descriptor[1 : n + 1])
-            rows = int(descriptor[n])
-            if rows <= SMALL_COPY_ROWS:
-                if rows:
-                    self._copy_small(source, target, lengths, seg_source_row, seg_target_row, rows)
-                return
+            descriptor[1 : n + 1] = ends
             descriptor[n + 1 : 2 * n + 1] = seg_source_row
             descriptor[2 * n + 1 :] = seg_target_row
         if self.device.type == "cpu":  # three views of the host array
