@@ -55,7 +55,7 @@ from cpu_harness.vllm_scheduler import (  # noqa: E402
     make_scheduler,
     random_prompt,
 )
-from routed_experts_cache.connector.vllm.worker import unpack_hashes  # noqa: E402
+from routed_experts_cache.connector.vllm.step_hashes import unpack_hashes  # noqa: E402
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput  # noqa: E402
 
 ROW_SHAPE = (48, 8)

@@ -11,7 +11,7 @@ import pytest
 import vllm
 
 from routed_experts_cache import InvalidCaptureError, RoutedExpertsCacheError
-from routed_experts_cache.connector.vllm import plugin as vllm_plugin, worker as vllm_worker
+from routed_experts_cache.connector.vllm import plugin as vllm_plugin, step_hashes, worker as vllm_worker
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
 RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -127,16 +127,17 @@ def test_unpack_hashes_gives_what_vllms_packed_hashes_yield(item_size):
 
     data = bytes(range(256))[: item_size * 7]
     packed = PackedBlockHashes(data=data, item_size=item_size)
-    assert vllm_worker.unpack_hashes(packed) == list(packed) and len(list(packed)) == 7
-    assert vllm_worker.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size)) == []
-    assert vllm_worker.unpack_hashes([b"a", b"bc"]) == [b"a", b"bc"]  # any other iterable: as a list
+    assert step_hashes.unpack_hashes(packed) == list(packed) and len(list(packed)) == 7
+    assert step_hashes.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size)) == []
+    assert step_hashes.unpack_hashes([b"a", b"bc"]) == [b"a", b"bc"]  # any other iterable: as a list
 
 
-@pytest.mark.parametrize("counts", [[], [0], [1, 0, 3], [2] * 5, [7, 0, 11, 1], [40, 3, 0, 25]])
+@pytest.mark.parametrize("counts", [[], [0], [1, 0, 3], [2] * 5, [1] * 6, [7, 0, 11, 1], [40, 3, 0, 25]])
 @pytest.mark.parametrize("item_size", [1, 8, 32])
 def test_step_hashes_unpack_as_vllms_packed_hashes_yield(counts, item_size):
-    """One step's packed hashes in one conversion (small steps sliced, large ones through numpy)
-    give what vLLM's iterator gives, zero bytes included; the pins' hashes come back apart."""
+    """One step's packed hashes, split on first use (one hash per value as it is, few sliced,
+    many through numpy), give what vLLM's iterator gives, zero bytes included; the pins'
+    hashes come back apart."""
     from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
 
     rng = np.random.default_rng(len(counts) * 100 + item_size)
@@ -147,16 +148,19 @@ def test_step_hashes_unpack_as_vllms_packed_hashes_yield(counts, item_size):
         return PackedBlockHashes(data=data.tobytes(), item_size=item_size)
 
     values = {f"r{i}": packed(count) for i, count in enumerate(counts)}
-    for retained, released in ((None, None), (packed(4), None), (packed(2), packed(19))):
-        metadata = SimpleNamespace(  # the fields checked_step_hashes reads (pins: vLLM 0.33 and later)
+    for retained, released in ((None, None), (packed(4), None), (None, packed(1)), (packed(2), packed(19))):
+        metadata = SimpleNamespace(  # the fields StepHashes reads (pins: vLLM 0.33 and later)
             block_hashes=values, retained_block_hashes=retained, released_block_hashes=released
         )
-        ids, lists, got_retained, got_released = vllm_worker.checked_step_hashes(metadata)
-        assert ids == list(values) and lists == [list(v) for v in values.values()]
-        assert got_retained == list(retained or ()) and got_released == list(released or ())
-    assert vllm_worker.unpack_packed_lists([PackedBlockHashes(b"abcde", 2)]) is None  # a short last item
-    assert vllm_worker.unpack_packed_lists([PackedBlockHashes(b"ab", 2), PackedBlockHashes(b"abc", 3)]) is None
-    assert vllm_worker.unpack_packed_lists([[b"ab"]]) is None  # not packed: unpacked one by one, checked
+        hashes = step_hashes.StepHashes(metadata)
+        assert hashes.request_ids == list(values) and hashes.hash_lists == [list(v) for v in values.values()]
+        assert hashes.retained == list(retained or ()) and hashes.released == list(released or ())
+        assert bool(hashes) == bool(values or retained or released)
+        hashes.drop_pins()
+        assert hashes.retained == hashes.released == [] and hashes.hash_lists == [list(v) for v in values.values()]
+    assert step_hashes.packed_layout([PackedBlockHashes(b"abcde", 2)]) is None  # a short last item
+    assert step_hashes.packed_layout([PackedBlockHashes(b"ab", 2), PackedBlockHashes(b"abc", 3)]) is None
+    assert step_hashes.packed_layout([[b"ab"]]) is None  # not packed: unpacked one by one, checked
 
 
 def test_step_hashes_that_are_not_packed_are_checked():
@@ -167,7 +171,11 @@ def test_step_hashes_that_are_not_packed_are_checked():
         finished_requests=(),
     )
     with pytest.raises(InvalidCaptureError, match="'b'.*'not bytes'"):
-        vllm_worker.checked_step_hashes(metadata)
+        step_hashes.StepHashes(metadata)
+    metadata.block_hashes = {"a": [b"ok"]}
+    metadata.released_block_hashes = [b""]
+    with pytest.raises(InvalidCaptureError, match="released hashes"):
+        step_hashes.StepHashes(metadata)
 
 
 def test_version_table_names_every_supported_release_once():

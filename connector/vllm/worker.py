@@ -22,8 +22,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from itertools import accumulate, chain, repeat
-from operator import attrgetter
+from itertools import repeat
 from threading import Lock
 from typing import TYPE_CHECKING
 
@@ -40,10 +39,10 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from ..batch_size import smallest, total
 from ..cache import RoutedExpertsCache
-from ..checks import all_hashes, check_hashes, checked_hash_lists
 from ...errors import RoutedExpertsCacheError
 from .kv_tiers import retained_blocks
 from .side_stream import SideStream
+from .step_hashes import StepHashes
 from .versions import installed_contract
 
 if TYPE_CHECKING:
@@ -84,64 +83,6 @@ class PendingCacheOutput:
 
     def process_output(self) -> dict[str, AuxRequestOutput]:
         return self.connector.process_output(self)
-
-
-def unpack_hashes(packed) -> list[bytes]:
-    """The hashes of vLLM's ``PackedBlockHashes`` (one bytes object, fixed-size items), sliced
-    in one comprehension instead of its per-item generator; other iterables as a list."""
-    data, size = getattr(packed, "data", None), getattr(packed, "item_size", None)
-    if type(data) is bytes and type(size) is int and size > 0:
-        return [data[i : i + size] for i in range(0, len(data), size)]
-    return list(packed)
-
-
-ITEM_SIZE, DATA = attrgetter("item_size"), attrgetter("data")
-SLICED_ITEMS = 16  # below it, slicing each one beats numpy's fixed cost
-
-
-def unpack_packed_lists(values: list) -> list[list[bytes]] | None:
-    """The hash lists of several ``PackedBlockHashes`` with one item size, through one numpy
-    conversion of their joined bytes (an ``S`` dtype would strip trailing zero bytes; ``V``
-    keeps every byte), split by each one's count; None when any of them is not such a value
-    (a list, a bytes-like ``data``, an item size that does not divide its data)."""
-    try:
-        sizes, datas = set(map(ITEM_SIZE, values)), list(map(DATA, values))
-    except AttributeError:
-        return None
-    if len(sizes) != 1:
-        return [] if not values else None
-    size = sizes.pop()
-    if type(size) is not int or size <= 0 or not set(map(type, datas)) <= {bytes}:
-        return None
-    lengths = list(map(len, datas))
-    if any(map(size.__rmod__, lengths)):  # a short last item: what vLLM's iterator yields
-        return None
-    if sum(lengths) < SLICED_ITEMS * size:
-        return list(map(unpack_hashes, values))
-    flat = np.frombuffer(b"".join(datas), dtype=f"V{size}").tolist()
-    ends = list(accumulate(map(size.__rfloordiv__, lengths)))
-    return list(map(flat.__getitem__, map(slice, [0, *ends[:-1]], ends)))
-
-
-def checked_step_hashes(metadata) -> tuple[list, list[list[bytes]], list[bytes], list[bytes]]:
-    """A step's block hashes ``(request ids, hash lists)`` and its retained and released
-    hashes, unpacked and checked once (non-empty bytes; the first bad one named). vLLM's
-    packed hashes hold nothing else: only other values are checked."""
-    hashed_ids = list(metadata.block_hashes)
-    pins = [getattr(metadata, name, None) for name in ("retained_block_hashes", "released_block_hashes")]
-    packed = [*metadata.block_hashes.values(), *filter(None, pins)]
-    unpacked = unpack_packed_lists(packed)
-    checked = unpacked is not None
-    if not checked:
-        unpacked = list(map(unpack_hashes, packed))
-    hash_lists = unpacked[: len(hashed_ids)]
-    pinned = iter(unpacked[len(hashed_ids) :])
-    retained, released = (next(pinned) if values else [] for values in pins)
-    if not checked and not all_hashes(list(chain(retained, released, *hash_lists))):
-        checked_hash_lists(hashed_ids, hash_lists)
-        check_hashes(retained, "retained hashes")
-        check_hashes(released, "released hashes")
-    return hashed_ids, hash_lists, retained, released
 
 
 def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_concurrent_batches: int) -> int:
@@ -288,7 +229,7 @@ class CacheWorkerConnector:
             request_ids = list(metadata.requests)
             emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
             new_generation, slots = self._check_metadata(metadata, request_ids, emit_starts)
-            hashed_ids, hash_lists, retained, released = checked_step_hashes(metadata)
+            hashes = StepHashes(metadata)
             self._step_metadata = metadata
             if new_generation:
                 # vLLM resets the prefix cache only once all output is consumed; the pins of
@@ -297,9 +238,9 @@ class CacheWorkerConnector:
                 self._cache.reset()
                 self._clear()
                 self._generation = metadata.generation
-                retained = released = []
-            elif released:
-                self._cache.check_pin_step(retained, released, self._deferred_retains())  # refused here
+                hashes.drop_pins()
+            elif hashes.released:
+                self._cache.check_pin_step(hashes.retained, hashes.released, self._deferred_retains())  # refused here
             if self._deferred and not self._pending_outputs:
                 self._apply_deferred()  # no process_output is coming to apply them
             new = (slots < 0).nonzero()[0]
@@ -312,16 +253,16 @@ class CacheWorkerConnector:
             if metadata.finished_requests:
                 teardowns = self._finish([r for r in metadata.finished_requests if r in self._slot_of])
             imports = getattr(metadata, "imported_rows", None)
-            if retained or released or hashed_ids or imports or teardowns:
-                self._deferred.append((retained, released, hashed_ids, hash_lists, imports, teardowns))
+            if hashes or imports or teardowns:
+                self._deferred.append((hashes, imports, teardowns))
                 self._deferred_teardowns.update(teardowns)
 
     def _deferred_retains(self) -> Counter:
         """Net retains (retains less releases) of the deferred pin steps."""
         net = Counter()
-        for retained, released, *_ in self._deferred:
-            net.update(retained)
-            net.subtract(released)
+        for hashes, *_ in self._deferred:
+            net.update(hashes.retained)
+            net.subtract(hashes.released)
         return net
 
     def _apply_deferred(self) -> None:
@@ -329,13 +270,14 @@ class CacheWorkerConnector:
         step's pins, block hashes, imported rows, then its finished requests)."""
         deferred, self._deferred = self._deferred, []
         try:
-            for retained, released, hashed_ids, hash_lists, imports, teardowns in deferred:
+            for hashes, imports, teardowns in deferred:
+                retained, released = hashes.retained, hashes.released
                 if retained or released:
                     self._cache.pin_step(retained, released)
-                if hashed_ids:
-                    self._cache.add_block_hashes_step(hashed_ids, hash_lists)
+                if hashes.request_ids:
+                    self._cache.add_block_hashes_step(hashes.request_ids, hashes.hash_lists)
                 if imports:
-                    self._import_rows(imports, dict(zip(hashed_ids, hash_lists)))
+                    self._import_rows(imports, dict(zip(hashes.request_ids, hashes.hash_lists)))
                 for request_id in teardowns:
                     self._cache.finish(request_id)
         finally:
