@@ -780,29 +780,44 @@ class RoutedExpertsCache:
 
     def add_block_hashes_step(self, request_ids: list, hash_lists: list[list[bytes]]) -> None:
         """``add_block_hashes_batch`` for an engine step whose ids and hashes the caller has
-        checked: lists as ``checks.checked_hash_lists`` returns them."""
-        size, cursor, settling, pinning = self.page_size, self._slots.cursor, [], []
-        for request_id, hashes in zip(request_ids, hash_lists):
-            request = self._requests.get(request_id)
+        checked: lists as ``checks.checked_hash_lists`` returns them.
+
+        In request order, a request's hashes before its first own block are pinned, and its
+        full own blocks whose hashes are now known are published (``_settle`` inlined: the
+        common case of a decode step, one request's newly full block, costs no second pass).
+        Pins and publishes batch up where their order does not matter; a pin after a publish
+        flushes both, in order: it decides duplicates."""
+        size, requests, table = self.page_size, self._requests, self._slots
+        full_blocks = (table.cursor[table.lookup(request_ids)] // size).tolist()  # -1: read for new ids, unused
+        pinning, publishing, pages = [], [], []
+        for request_id, hashes, full in zip(request_ids, hash_lists, full_blocks):
+            request = requests.get(request_id)
             if request is None:
                 request = _Request()
                 self._register(request_id, request)
             first_new = len(request.hashes)
             request.hashes += hashes
             first_block = request.first_block
-            pins = hashes if first_block is None else hashes[: max(0, first_block - first_new)]
+            pins = hashes if first_block is None else hashes[: first_block - first_new] if first_block > first_new else ()
             if pins:
-                if settling:  # pins, then settles, in the calls' order: it decides duplicates
+                if publishing:
                     if pinning:
                         self._pages.pin(pinning)
-                    self._settle(settling)
-                    settling, pinning = [], []
+                    self._pages.publish_many(publishing, pages)
+                    pinning, publishing, pages = [], [], []
                 pinning += pins
-            if first_block is not None and first_block + request.num_settled < cursor[request.slot] // size:
-                settling.append(request)  # a full own block may have its hash now
+            if first_block is None:
+                continue
+            settled = request.num_settled
+            settling = min(full, len(request.hashes)) - first_block
+            if settling > settled:
+                publishing += request.hashes[first_block + settled : first_block + settling]
+                pages += request.own_pages[settled:settling]
+                request.num_settled = settling
         if pinning:
             self._pages.pin(pinning)
-        self._settle(settling)
+        if publishing:
+            self._pages.publish_many(publishing, pages)
 
     def retain(self, hashes: Iterable[bytes]) -> None:
         """Pin published (or future) blocks by hash, independent of any request."""

@@ -679,6 +679,29 @@ def test_recomputed_block_is_a_duplicate_while_the_published_page_is_pinned(make
     assert_accounting(cache)
 
 
+def test_hashes_of_one_batch_apply_in_request_order(make_cache, gen):
+    """A publish and a later request's pin of the same hash in one batch act as two calls in
+    that order: a's recomputed copy replaces the unpinned stale page before b pins the hash, so
+    b reads a's rows (pinned first, the stale page would stay and a's copy be a duplicate)."""
+    results = []
+    for batched in (False, True):
+        cache = make_cache(4)
+        rows_x, rows_a = rand_rows(gen, 4), rand_rows(gen, 4)
+        cache.capture("x", 0, rows_x)
+        cache.add_block_hashes("x", [h("p", 0)])
+        cache.finish("x")  # published, unpinned
+        cache.capture("a", 0, rows_a)  # a recomputes block 0; its hash comes next
+        if batched:
+            cache.add_block_hashes_batch(["a", "b"], [[h("p", 0)], [h("p", 0)]])
+        else:
+            cache.add_block_hashes("a", [h("p", 0)])
+            cache.add_block_hashes("b", [h("p", 0)])
+        assert_rows(cache.read("b", 0, 4), u8(rows_a))
+        assert_accounting(cache)
+        results.append(states(cache))
+    assert results[0] == results[1] == dict(free=3, tail=0, pending=0, duplicate=0, published=1, evictable=0)
+
+
 def test_first_capture_unpins_the_blocks_it_recomputes_before_it_allocates(make_cache, gen):
     """The pins a request took on hashes it then recomputes itself return those pages to
     eviction in the same call: a full pool of stale pages does not refuse the capture."""
