@@ -176,7 +176,7 @@ class RoutedExpertsCache:
         self._requests[request_id] = request
 
     def _cursor_of(self, request: _Request) -> int:
-        return int(self._slots.cursor[request.slot]) if request.slot >= 0 else 0
+        return self._slots.cursor.item(request.slot) if request.slot >= 0 else 0
 
     # ----------------------------------------------------------------- capture
 
@@ -787,10 +787,9 @@ class RoutedExpertsCache:
         common case of a decode step, one request's newly full block, costs no second pass).
         Pins and publishes batch up where their order does not matter; a pin after a publish
         flushes both, in order: it decides duplicates."""
-        size, requests, table = self.page_size, self._requests, self._slots
-        full_blocks = (table.cursor[table.lookup(request_ids)] // size).tolist()  # -1: read for new ids, unused
+        size, requests, cursor = self.page_size, self._requests, self._slots.cursor
         pinning, publishing, pages = [], [], []
-        for request_id, hashes, full in zip(request_ids, hash_lists, full_blocks):
+        for request_id, hashes in zip(request_ids, hash_lists):
             request = requests.get(request_id)
             if request is None:
                 request = _Request()
@@ -809,7 +808,7 @@ class RoutedExpertsCache:
             if first_block is None:
                 continue
             settled = request.num_settled
-            settling = min(full, len(request.hashes)) - first_block
+            settling = min(cursor.item(request.slot) // size, len(request.hashes)) - first_block
             if settling > settled:
                 publishing += request.hashes[first_block + settled : first_block + settling]
                 pages += request.own_pages[settled:settling]
@@ -930,7 +929,7 @@ class RoutedExpertsCache:
             first_block, settled = request.first_block, request.num_settled
             if first_block is None:
                 continue
-            settling = min(int(cursor[request.slot]) // size, len(request.hashes)) - first_block
+            settling = min(cursor.item(request.slot) // size, len(request.hashes)) - first_block
             if settling > settled:
                 hashes += request.hashes[first_block + settled : first_block + settling]
                 pages += request.own_pages[settled:settling]

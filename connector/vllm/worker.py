@@ -370,11 +370,10 @@ class CacheWorkerConnector:
                     f"{len(self._pending_outputs)} step outputs are in flight, more than "
                     f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
                 )
-            slot_list = list(map(self._slot_of.get, request_ids))
-            if None in slot_list:
-                unknown = [request_id for request_id, slot in zip(request_ids, slot_list) if slot is None]
+            slots = self._slots(request_ids)
+            if n and smallest(slots) < 0:
+                unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
                 raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
-            slots = np.array(slot_list, dtype=np.int64)
             if len(set(request_ids)) < n:
                 raise ConnectorStateError(f"step lists a request twice: {request_ids}")
             pending = PendingCacheOutput(
