@@ -26,6 +26,7 @@ from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, r
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
 from routed_experts_cache import RoutedExpertsCache
+from routed_experts_cache.connector import batch_size
 from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector
 
 MAX_IN_FLIGHT = 2
@@ -210,4 +211,18 @@ def test_connector_against_the_model():
     # The runs must have exercised what this test claims to check.
     for what in ("reattached", "rejected_rows", "finished_in_flight", "delivered_rows", "materialized",
                  "generations", "retained"):
+        assert COVERAGE[what] > 0, (what, dict(COVERAGE))
+
+
+def test_connector_against_the_model_on_the_array_paths(monkeypatch):
+    """The same machine with every step on the array paths (``SMALL_BATCH`` 0): the
+    connector's ``_commit`` and the cache's vectorised calls, which its few-request batches
+    otherwise leave to the plain Python ones."""
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
+    COVERAGE.clear()
+    run_state_machine_as_test(ConnectorMachine, settings=settings(
+        max_examples=150, stateful_step_count=60, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ))
+    for what in ("reattached", "rejected_rows", "finished_in_flight", "delivered_rows", "materialized"):
         assert COVERAGE[what] > 0, (what, dict(COVERAGE))

@@ -37,6 +37,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
+from .. import batch_size
 from ..batch_size import smallest, total
 from ..cache import RoutedExpertsCache
 from ...errors import RoutedExpertsCacheError
@@ -448,6 +449,10 @@ class CacheWorkerConnector:
         sampled, rejected = (np.asarray(counts, dtype=np.int64)[:n] for counts in (pending.num_sampled, pending.num_rejected))
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
+        if n <= batch_size.SMALL_BATCH:
+            outputs = self._commit_small(pending, sampled, rejected)
+            if outputs is not None:
+                return outputs
         counts = num_rows - rejected
         if n and smallest((num_rows - 1) | rejected | counts) < 0:  # the sign bit of any of them
             i = ((num_rows <= 0) | (rejected < 0) | (counts < 0)).nonzero()[0][0]
@@ -485,6 +490,70 @@ class CacheWorkerConnector:
             slots, emit_starts, capture_starts, row_starts, counts = (
                 values[pick] for values in (slots, emit_starts, capture_starts, row_starts, counts))
         return self._emitted_rows(pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts)
+
+    def _commit_small(self, pending: PendingCacheOutput, sampled: np.ndarray, rejected: np.ndarray):
+        """``_commit`` in one plain Python pass over the requests, for up to ``SMALL_BATCH`` of
+        them (cheaper there than its two dozen array passes): the same captures, cursors and
+        outputs. Returns None, changing nothing, where a request rolls back or its counts are
+        invalid: the array path takes the step (and raises, for invalid counts)."""
+        request_ids, slots = pending.request_ids, pending.slots
+        bounds, starts = pending.query_start_loc.tolist(), pending.token_starts.tolist()
+        captured_list, emit_list = self._capture_cursor[slots].tolist(), self._emit_cursor[slots].tolist()
+        scheduled_list = self._scheduled_cursor[slots].tolist()
+        capture_starts, counts, token_ends, scheduled_ends, emit_cursors, outputs = [], [], [], [], [], []
+        reattached = 0
+        for i, (start, captured, emit_start, accepted, dropped) in enumerate(
+            zip(starts, captured_list, emit_list, sampled.tolist(), rejected.tolist())
+        ):
+            row_start, num_rows = bounds[i], bounds[i + 1] - bounds[i]
+            count = num_rows - dropped
+            if num_rows <= 0 or dropped < 0 or count < 0 or start < captured:
+                return None
+            if start > captured >= 0:  # re-attach at the capture cursor (async scheduling)
+                if captured >= scheduled_list[i]:
+                    return None
+                reattached += 1
+                start_at = captured
+            else:
+                start_at = start
+            end = start_at + count
+            capture_starts.append(start_at)
+            counts.append(count)
+            token_ends.append(end)
+            scheduled_ends.append(start + num_rows)
+            if accepted > 0 and emit_start <= end:
+                emit_cursors.append(end)
+                outputs.append((i, emit_start, row_start + max(emit_start - start_at, 0), row_start + count))
+            else:
+                emit_cursors.append(emit_start)
+        self._reattachments += reattached
+        self._cache.capture_step(
+            pending.snapshot, request_ids, slots, np.array(capture_starts, dtype=np.int64),
+            pending.query_start_loc[:-1], np.array(counts, dtype=np.int64),
+        )
+        self._capture_cursor[slots] = token_ends
+        self._scheduled_cursor[slots] = scheduled_ends
+        self._emit_cursor[slots] = emit_cursors
+        host = self._copy_out(pending.snapshot)
+        rows, earlier = [], []
+        for i, emit_start, first_row, end_row in outputs:
+            if emit_start < capture_starts[i]:  # rows from before this step: read from the pool
+                earlier.append(len(rows))
+            rows.append(host[first_row:end_row])
+            self._returned_rows += token_ends[i] - emit_start
+        if earlier:
+            picked = [outputs[j][0] for j in earlier]
+            packed, offsets = self._cache.read_step(
+                [request_ids[i] for i in picked], slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
+                np.array([token_ends[i] for i in picked], dtype=np.int64),
+            )
+            packed, bounds = packed.cpu().numpy(), offsets.tolist()
+            for k, j in enumerate(earlier):
+                rows[j] = packed[bounds[k] : bounds[k + 1]]
+        return {
+            request_ids[i]: AuxRequestOutput(emit_start, row_block)
+            for (i, emit_start, _, _), row_block in zip(outputs, rows)
+        }
 
     def _roll_back(self, pending, emit_starts: np.ndarray, rollbacks: list[int]) -> None:
         """vLLM rolled these requests back (KV blocks failed to load; recompute policy) and
