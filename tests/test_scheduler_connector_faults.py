@@ -274,6 +274,22 @@ def test_teardown_waits_for_outputs_in_flight():
         driver.cache.read("a", 0, 1)
 
 
+def test_a_request_scheduled_again_before_its_teardown_completes_is_refused():
+    """A finished request whose step output is still in flight cannot be scheduled again
+    under its id until that output is processed: the step is refused and changes nothing."""
+    driver = Driver()
+    two_requests(driver)
+    pending = driver.launch(metadata({"a": 7}), [("a", 7, 2)])
+    driver.connector.begin_step(metadata(finished=["a"]))
+    before = driver.connector.stats()
+    with pytest.raises(ConnectorStateError, match="request 'a' was scheduled again before its teardown completed"):
+        driver.connector.begin_step(metadata({"b": 5, "a": 0}))
+    assert driver.connector.stats() == before
+    check_output(pending.process_output(), "a", 7, 9)
+    again = driver.launch(metadata({"a": 0}), [("a", 0, 3)])  # torn down now: a new request
+    check_output(again.process_output(), "a", 0, 3)
+
+
 def test_begin_step_and_process_output_on_two_threads():
     """Model thread runs ahead (<= 2 steps in flight); the output thread checks every row."""
     driver = Driver(num_pages=400)

@@ -334,7 +334,7 @@ class CacheWorkerConnector:
         known = {} if new_generation else self._slot_of
         all_slots = self._slots(request_ids) if known else np.full(len(request_ids), -1, dtype=np.int64)
         if known:
-            if self._awaiting_teardown and not self._awaiting_teardown.isdisjoint(request_ids):
+            if self._awaiting_teardown and any(map(metadata.requests.__contains__, self._awaiting_teardown)):
                 again = next(r for r in request_ids if r in self._awaiting_teardown)
                 raise ConnectorStateError(f"request {again!r} was scheduled again before its teardown completed")
             # Settled requests only: in-flight steps leave the emit cursor behind the scheduler's
@@ -347,9 +347,9 @@ class CacheWorkerConnector:
                     f"request {request_ids[i]!r}: scheduler emit start {emit_starts[i]} is ahead of the rows "
                     f"delivered so far ({self._emit_cursor[all_slots[i]]})"
                 )
-        stray = metadata.block_hashes.keys() - known.keys() - metadata.requests.keys()
+        stray = [r for r in metadata.block_hashes if r not in known and r not in metadata.requests]
         if stray:
-            request_id = next(r for r in metadata.block_hashes if r in stray)  # the first, as listed
+            request_id = stray[0]  # the first, as listed
             raise ConnectorStateError(
                 f"block hashes for request {request_id!r}, which is not running (never scheduled, "
                 f"or finished); running: {len(known)} requests"
