@@ -783,12 +783,11 @@ class RoutedExpertsCache:
         checked: lists as ``checks.checked_hash_lists`` returns them.
 
         In request order, a request's hashes before its first own block are pinned, and its
-        full own blocks whose hashes are now known are published (``_settle`` inlined: the
-        common case of a decode step, one request's newly full block, costs no second pass).
+        full own blocks whose hashes are now known are published (as ``_settle`` does, in the same
+        pass: a decode step's common case, one request's newly full block, costs no second one).
         Pins and publishes batch up where their order does not matter; a pin after a publish
         flushes both, in order: it decides duplicates."""
-        size, requests, cursor = self.page_size, self._requests, self._slots.cursor
-        pinning, publishing, pages = [], [], []
+        requests, pinning, publishing, pages = self._requests, [], [], []
         for request_id, hashes in zip(request_ids, hash_lists):
             request = requests.get(request_id)
             if request is None:
@@ -805,14 +804,8 @@ class RoutedExpertsCache:
                     self._pages.publish_many(publishing, pages)
                     pinning, publishing, pages = [], [], []
                 pinning += pins
-            if first_block is None:
-                continue
-            settled = request.num_settled
-            settling = min(cursor.item(request.slot) // size, len(request.hashes)) - first_block
-            if settling > settled:
-                publishing += request.hashes[first_block + settled : first_block + settling]
-                pages += request.own_pages[settled:settling]
-                request.num_settled = settling
+            if first_block is not None:
+                self._take_settling(request, publishing, pages)
         if pinning:
             self._pages.pin(pinning)
         if publishing:
@@ -924,18 +917,22 @@ class RoutedExpertsCache:
         A block whose hash another page publishes and someone pins stays a duplicate: this
         request keeps reading its own copy, freed at finish (``PagePool.publish``).
         """
-        hashes, pages, cursor, size = [], [], self._slots.cursor, self.page_size
+        hashes, pages = [], []
         for request in requests:
-            first_block, settled = request.first_block, request.num_settled
-            if first_block is None:
-                continue
-            settling = min(cursor.item(request.slot) // size, len(request.hashes)) - first_block
-            if settling > settled:
-                hashes += request.hashes[first_block + settled : first_block + settling]
-                pages += request.own_pages[settled:settling]
-                request.num_settled = settling
+            if request.first_block is not None:
+                self._take_settling(request, hashes, pages)
         if hashes:
             self._pages.publish_many(hashes, pages)
+
+    def _take_settling(self, request: _Request, hashes: list[bytes], pages: list[int]) -> None:
+        """Add a capturing request's full own blocks whose hashes are known and that are not
+        settled yet to ``hashes`` / ``pages`` (to publish), and count them settled."""
+        first_block, settled = request.first_block, request.num_settled
+        settling = min(self._slots.cursor.item(request.slot) // self.page_size, len(request.hashes)) - first_block
+        if settling > settled:
+            hashes += request.hashes[first_block + settled : first_block + settling]
+            pages += request.own_pages[settled:settling]
+            request.num_settled = settling
 
     # -------------------------------------------------------------------- read
 

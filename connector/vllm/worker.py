@@ -543,13 +543,12 @@ class CacheWorkerConnector:
             self._returned_rows += token_ends[i] - emit_start
         if earlier:
             picked = [outputs[j][0] for j in earlier]
-            packed, offsets = self._cache.read_step(
+            read = self._pool_rows(
                 [request_ids[i] for i in picked], slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
                 np.array([token_ends[i] for i in picked], dtype=np.int64),
             )
-            packed, bounds = packed.cpu().numpy(), offsets.tolist()
-            for k, j in enumerate(earlier):
-                rows[j] = packed[bounds[k] : bounds[k + 1]]
+            for j, request_rows in zip(earlier, read):
+                rows[j] = request_rows
         return {
             request_ids[i]: AuxRequestOutput(emit_start, row_block)
             for (i, emit_start, _, _), row_block in zip(outputs, rows)
@@ -578,14 +577,19 @@ class CacheWorkerConnector:
         earlier = (skipped < 0).nonzero()[0]
         ends = capture_starts + counts
         if len(earlier):
-            packed, offsets = self._cache.read_step(
-                [request_ids[i] for i in earlier.tolist()], slots[earlier], emit_starts[earlier], ends[earlier]
-            )
-            packed, bounds = packed.cpu().numpy(), offsets.tolist()
-            for j, i in enumerate(earlier.tolist()):
-                rows[i] = packed[bounds[j] : bounds[j + 1]]
+            picked = earlier.tolist()
+            read = self._pool_rows([request_ids[i] for i in picked], slots[earlier], emit_starts[earlier], ends[earlier])
+            for i, request_rows in zip(picked, read):
+                rows[i] = request_rows
         self._returned_rows += total(ends - emit_starts)
         return dict(zip(request_ids, map(AuxRequestOutput, emit_starts.tolist(), rows)))
+
+    def _pool_rows(self, request_ids: list, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+        """Each request's rows ``[starts[i], ends[i])`` from the pool: one gather, one copy to the
+        host, a view per request."""
+        packed, offsets = self._cache.read_step(request_ids, slots, starts, ends)
+        packed, bounds = packed.cpu().numpy(), offsets.tolist()
+        return list(map(packed.__getitem__, map(slice, bounds[:-1], bounds[1:])))
 
     def _copy_out(self, snapshot: torch.Tensor) -> np.ndarray:
         """The step's rows on the host in the pool dtype: the device-to-host copy, and a copy
