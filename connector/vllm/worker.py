@@ -444,8 +444,6 @@ class CacheWorkerConnector:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
         request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
         n = len(request_ids)
-        row_starts = pending.query_start_loc[:-1]
-        num_rows = pending.query_start_loc[1:] - row_starts
         sampled, rejected = (np.asarray(counts, dtype=np.int64)[:n] for counts in (pending.num_sampled, pending.num_rejected))
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
@@ -453,6 +451,8 @@ class CacheWorkerConnector:
             outputs = self._commit_small(pending, sampled, rejected)
             if outputs is not None:
                 return outputs
+        row_starts = pending.query_start_loc[:-1]
+        num_rows = pending.query_start_loc[1:] - row_starts
         counts = num_rows - rejected
         if n and smallest((num_rows - 1) | rejected | counts) < 0:  # the sign bit of any of them
             i = ((num_rows <= 0) | (rejected < 0) | (counts < 0)).nonzero()[0][0]
@@ -535,12 +535,10 @@ class CacheWorkerConnector:
         self._scheduled_cursor[slots] = scheduled_ends
         self._emit_cursor[slots] = emit_cursors
         host = self._copy_out(pending.snapshot)
-        rows, earlier = [], []
-        for i, emit_start, first_row, end_row in outputs:
-            if emit_start < capture_starts[i]:  # rows from before this step: read from the pool
-                earlier.append(len(rows))
-            rows.append(host[first_row:end_row])
-            self._returned_rows += token_ends[i] - emit_start
+        rows = [host[first_row:end_row] for _, _, first_row, end_row in outputs]
+        self._returned_rows += sum(token_ends[i] - emit_start for i, emit_start, _, _ in outputs)
+        # Rows from before this step (a prefix hit's): the whole interval from the pool.
+        earlier = [j for j, (i, emit_start, _, _) in enumerate(outputs) if emit_start < capture_starts[i]]
         if earlier:
             picked = [outputs[j][0] for j in earlier]
             read = self._pool_rows(
