@@ -312,43 +312,23 @@ class RoutedExpertsCache:
 
     def _capture_within_pages(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
                               source_starts: np.ndarray, counts: np.ndarray) -> bool:
-        """``capture_step``'s decode case above ``SMALL_BATCH``, in a fixed set of array passes:
-        continuing spans of at most a page each (a decode step's row and its speculative ones),
-        so that a span writes the rest of its current page and at most one new page (its first
-        if it starts on a page boundary, else its second), all of them free pages. Returns
+        """``capture_step``'s decode case above ``SMALL_BATCH``, without ``_write``'s look-ahead
+        layers: continuing spans of at most a page each (a decode step's row and its speculative
+        ones) whose new pages are all free ones, planned by ``_segments_within_pages``. Returns
         False, changing nothing, where it does not apply: ``_write`` handles that step."""
         size = self.page_size
-        ends = starts + counts
-        if np.count_nonzero(counts > size) or np.count_nonzero(ends > self.max_position):  # cheaper than max()
+        if np.count_nonzero(counts > size) or np.count_nonzero(starts + counts > self.max_position):  # cheaper than max()
             return False
-        num_rows = sum(counts.tolist())
-        keep = counts.nonzero()[0]
-        if len(keep) < len(counts):  # an empty span copies nothing and keeps its cursor
-            slots, starts, source_starts, counts = (values[keep] for values in (slots, starts, source_starts, counts))
         offsets = starts % size
-        heads = size - offsets  # the rows left in the span's current page
-        crossing = counts > heads
-        starting = offsets == 0  # a span on a page boundary begins a block (its first row is past the cursor)
-        takes = (starting | crossing).nonzero()[0]  # spans taking one new page each, in span order
-        if len(takes) > len(self._pages.free):
+        if np.count_nonzero(((offsets == 0) | (counts > size - offsets)) & (counts > 0)) > len(self._pages.free):
             return False
-        blocks = starts // size - self._slots.first_block[slots]  # own block of each span's first row
-        table = self._slots.table
-        pages = table[slots, np.minimum(blocks, table.shape[1] - 1)]
-        new_pages = np.fromiter(islice(self._pages.free, len(takes)), dtype=np.int64, count=len(takes))
-        pages[starting] = new_pages[starting[takes]]
-        second = crossing.nonzero()[0]
-        if len(counts):
-            self._copy_on_device(
-                self._source_words(source), self._pool_words,
-                np.concatenate([np.minimum(counts, heads), counts[second] - heads[second]]),
-                np.concatenate([source_starts, source_starts[second] + heads[second]]),
-                np.concatenate([pages * size + offsets, new_pages[crossing[takes]] * size]),
-            )
-        self._commit_batch((slots, starts, None, counts, None), self._pages.allocate_many(len(takes)),
-                           slots[takes], blocks[takes] + crossing[takes])
-        self._settle(self._settling(slots[counts >= heads].tolist()))
-        self._counters["captured_rows"] += num_rows
+        batch = (slots, starts, source_starts, counts, None)
+        source_rows, target_rows, lengths, table_slots, table_blocks, completed = self._segments_within_pages(batch, self._pages.free)
+        if len(lengths):
+            self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
+        self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
+        self._settle(self._settling(completed))
+        self._counters["captured_rows"] += sum(counts.tolist())
         return True
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
@@ -504,10 +484,18 @@ class RoutedExpertsCache:
         it from its block map, a new block takes the next of ``new_pages``, in span order), the
         table cells the new pages fill (slot, own block), and the slots whose span completed a
         block. Plain Python over the spans for a few dozen of them (cheaper than a fixed set of
-        array passes), vectorised above that; both give the same result."""
+        array passes), vectorised above that, with fewer passes where no span is longer than a
+        page (decoding); all give the same result."""
         if len(batch[0]) <= batch_size.SMALL_BATCH:
             return self._continuing_segments_small(batch, new_pages)
-        slots, starts, source_starts, counts, num_new = batch
+        if not np.count_nonzero(batch[3] > self.page_size):
+            return self._segments_within_pages(batch, new_pages)
+        return self._segments_by_page_runs(batch, new_pages)
+
+    def _segments_by_page_runs(self, batch, new_pages: list[int]):
+        """``_continuing_segments`` for spans of any length: split at page boundaries
+        (``_page_runs``), a new block taking the next of ``new_pages``."""
+        slots, starts, source_starts, counts, _ = batch
         size, table = self.page_size, self._slots.table
         ends = starts + counts
         span, block, first, end = self._page_runs(starts, ends)
@@ -520,6 +508,34 @@ class RoutedExpertsCache:
         completed = slots[ends // size > starts // size].tolist()
         source_rows = source_starts[span] + first - starts[span]
         return source_rows, page * size + first - block * size, end - first, slots[span][is_new], own_block[is_new], completed
+
+    def _segments_within_pages(self, batch, new_pages):
+        """``_continuing_segments`` for spans of at most a page each, in a fixed set of array
+        passes: a span writes the rest of its current page and at most one new page (its first
+        if it starts on a page boundary, else its second). ``new_pages`` (the free pages
+        themselves, or a list) hold at least one page per span that takes one."""
+        slots, starts, source_starts, counts, _ = batch
+        size = self.page_size
+        keep = counts.nonzero()[0]
+        if len(keep) < len(counts):  # an empty span copies nothing
+            slots, starts, source_starts, counts = (values[keep] for values in (slots, starts, source_starts, counts))
+        offsets = starts % size
+        heads = size - offsets  # the rows left in the span's current page
+        crossing = counts > heads
+        starting = offsets == 0  # a span on a page boundary begins a block (its first row is past the cursor)
+        takes = (starting | crossing).nonzero()[0]  # spans taking one new page each, in span order
+        blocks = starts // size - self._slots.first_block[slots]  # own block of each span's first row
+        table = self._slots.table
+        pages = table[slots, np.minimum(blocks, table.shape[1] - 1)]
+        fresh = np.fromiter(islice(new_pages, len(takes)), dtype=np.int64, count=len(takes))
+        pages[starting] = fresh[starting[takes]]
+        second = crossing.nonzero()[0]
+        return (
+            np.concatenate([source_starts, source_starts[second] + heads[second]]),
+            np.concatenate([pages * size + offsets, fresh[crossing[takes]] * size]),
+            np.concatenate([np.minimum(counts, heads), counts[second] - heads[second]]),
+            slots[takes], blocks[takes] + crossing[takes], slots[counts >= heads].tolist(),
+        )
 
     def _settling(self, completed_slots: list[int]) -> list[_Request]:
         """The requests of these slots (spans that completed a block) with a full own block

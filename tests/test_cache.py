@@ -1373,6 +1373,80 @@ def test_small_copies_by_row_equal_the_segment_copy(make_cache, monkeypatch, cas
 
 
 @pytest.mark.parametrize("free_pages", ["enough", "short"])
+def test_steps_with_arrivals_above_the_small_batch_equal_the_general_path(make_cache, monkeypatch, free_pages):
+    """Above ``SMALL_BATCH`` continuing requests, a step that also has first captures (arrivals,
+    one a prefix hit starting inside a published block, listed among the continuing spans)
+    goes through ``_write``, which plans continuing spans of at most a page each with the
+    fewer array passes of ``_segments_within_pages``. The pool it leaves (rows, page states,
+    published blocks, counters) equals the one the page-run split leaves, and every request
+    reads back its rows, with free pages to spare and with evictions."""
+    from routed_experts_cache.connector import batch_size
+
+    n, page_size, row_shape, arrivals, num_steps = batch_size.SMALL_BATCH + 16, 4, (3, 2), 3, 7
+    leaving = n // 4  # the last quarter finishes after step 3
+    rng = np.random.default_rng(11)
+    steps = [rng.integers(2 * page_size, 3 * page_size, n)]
+    steps += [rng.integers(0, page_size + 1, n + arrivals * step) for step in range(1, num_steps)]
+    needed = int((-(-sum(steps[step][:n] for step in range(num_steps)) // page_size)).sum())  # the first n's pages at the end
+    num_pages = 2 * needed if free_pages == "enough" else needed - leaving
+    results, taken = [], []
+    for fast in (True, False):
+        cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape)
+        within_pages, calls = cache._segments_within_pages, []
+        monkeypatch.setattr(cache, "_segments_within_pages",
+                            (lambda *args: calls.append(len(args[0][0])) or within_pages(*args)) if fast else cache._segments_by_page_runs)
+        gen, expected = torch.Generator().manual_seed(5), {}
+        live, cursors = [], {}
+
+        def arrive(request_id, hashes, start):
+            cache.add_block_hashes(request_id, hashes)
+            live.append(request_id)
+            cursors[request_id] = start
+
+        for i in range(n):  # a hash for every block a request completes: its blocks publish
+            arrive(f"r{i}", [f"r{i}-{b}".encode() for b in range(64)], 0)
+            expected[f"r{i}"] = []
+        for step in range(num_steps):
+            if step == 3:
+                for request_id in [f"r{i}" for i in range(n - leaving, n)]:
+                    cache.finish(request_id)
+                    live.remove(request_id)
+            if step:
+                for a in range(arrivals):  # listed among the others; the first one a prefix hit of r0
+                    request_id = f"a{step}-{a}"
+                    if a == 0:
+                        arrive(request_id, [b"r0-0", b"r0-1", *(f"{request_id}-{b}".encode() for b in range(2, 64))], 2 * page_size - 1)
+                        expected[request_id] = [expected["r0"][0][: 2 * page_size - 1]]  # the published prefix
+                    else:
+                        arrive(request_id, [f"{request_id}-{b}".encode() for b in range(64)], 0)
+                        expected[request_id] = []
+                    live.insert(3 * a + 1, live.pop())
+            counts = np.resize(steps[step], len(live)).astype(np.int64)
+            rows = torch.randint(0, 256, (int(counts.sum()), *row_shape), dtype=torch.uint8, generator=gen)
+            source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            starts = np.array([cursors[request_id] for request_id in live], dtype=np.int64)
+            cache.capture_step(rows, list(live), cache.slots(live), starts, source_starts, counts)
+            for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
+                expected[request_id].append(rows[first : first + count])
+                cursors[request_id] += count
+            if step == 0:
+                expected["r0"] = [torch.cat(expected["r0"])]
+        cache.check_consistency()
+        results.append((
+            cache.pages.cpu().clone(), cache.page_states(), dict(cache._pages.published), cache.stats(),
+            [cache.read(request_id, 0, cursors[request_id]) for request_id in live],
+        ))
+        taken.append(calls)
+    (pages, states, published, stats, reads), (pages_ref, states_ref, published_ref, stats_ref, reads_ref) = results
+    assert torch.equal(pages, pages_ref) and states == states_ref and published == published_ref and stats == stats_ref
+    assert all(torch.equal(read.cpu(), torch.cat(expected[request_id])) for read, request_id in zip(reads, live))
+    assert all(torch.equal(a, b) for a, b in zip(reads, reads_ref))
+    assert stats["published"] > 0 and stats["prefix_hit_rows"] == (num_steps - 1) * (2 * page_size - 1)
+    assert len(taken[0]) == num_steps - 1 and min(taken[0]) > batch_size.SMALL_BATCH  # every step with arrivals
+    assert (stats["evictions"] > 0) == (free_pages == "short")
+
+
+@pytest.mark.parametrize("free_pages", ["enough", "short"])
 def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, monkeypatch, free_pages):
     """Above ``SMALL_BATCH`` requests, a step of continuing spans of at most a page each (decode,
     speculative rows) is written by a fixed set of array passes (``_capture_within_pages``): a
@@ -1395,6 +1469,8 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
         outcomes = []
         monkeypatch.setattr(cache, "_capture_within_pages",
                             (lambda *args: outcomes.append(within_pages(*args)) or outcomes[-1]) if fast else (lambda *args: False))
+        if not fast:  # the reference splits spans at page boundaries
+            monkeypatch.setattr(cache, "_segments_within_pages", cache._segments_by_page_runs)
         for request_id in ids:  # a hash for every block a request completes: its blocks publish
             cache.add_block_hashes(request_id, [f"{request_id}-{b}".encode() for b in range(16)])
         live, cursors = list(ids), np.zeros(n, dtype=np.int64)
