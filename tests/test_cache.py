@@ -1451,8 +1451,9 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
     """Above ``SMALL_BATCH`` requests, a step of continuing spans of at most a page each (decode,
     speculative rows) is written by a fixed set of array passes (``_capture_within_pages``): a
     span that crosses a page boundary, one that starts on one, an empty one. The pool it leaves
-    (rows, page states, block tables, published blocks) equals the general path's; where free
-    pages run short, it declines, changing nothing, and the general path evicts as before."""
+    (rows, page states, block tables, published blocks) equals the general path's (``_write``,
+    spans split at page boundaries); where free pages run short, it declines, changing nothing,
+    and the general path evicts as before."""
     from routed_experts_cache.connector import batch_size
 
     n, page_size, row_shape = 2 * batch_size.SMALL_BATCH, 4, (3, 2)
