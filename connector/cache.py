@@ -316,14 +316,13 @@ class RoutedExpertsCache:
         layers: continuing spans of at most a page each (a decode step's row and its speculative
         ones) whose new pages are all free ones, planned by ``_segments_within_pages``. Returns
         False, changing nothing, where it does not apply: ``_write`` handles that step."""
-        size = self.page_size
-        if np.count_nonzero(counts > size) or np.count_nonzero(starts + counts > self.max_position):  # cheaper than max()
-            return False
-        offsets = starts % size
-        if np.count_nonzero(((offsets == 0) | (counts > size - offsets)) & (counts > 0)) > len(self._pages.free):
+        if np.count_nonzero(counts > self.page_size) or np.count_nonzero(starts + counts > self.max_position):  # cheaper than max()
             return False
         batch = (slots, starts, source_starts, counts, None)
-        source_rows, target_rows, lengths, table_slots, table_blocks, completed = self._segments_within_pages(batch, self._pages.free)
+        segments = self._segments_within_pages(batch, self._pages.free)
+        if segments is None:
+            return False
+        source_rows, target_rows, lengths, table_slots, table_blocks, completed = segments
         if len(lengths):
             self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
         self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
@@ -512,8 +511,8 @@ class RoutedExpertsCache:
     def _segments_within_pages(self, batch, new_pages):
         """``_continuing_segments`` for spans of at most a page each, in a fixed set of array
         passes: a span writes the rest of its current page and at most one new page (its first
-        if it starts on a page boundary, else its second). ``new_pages`` (the free pages
-        themselves, or a list) hold at least one page per span that takes one."""
+        if it starts on a page boundary, else its second). ``new_pages`` may be the free pages
+        themselves: None if the spans need more of them."""
         slots, starts, source_starts, counts, _ = batch
         size = self.page_size
         keep = counts.nonzero()[0]
@@ -524,6 +523,8 @@ class RoutedExpertsCache:
         crossing = counts > heads
         starting = offsets == 0  # a span on a page boundary begins a block (its first row is past the cursor)
         takes = (starting | crossing).nonzero()[0]  # spans taking one new page each, in span order
+        if len(takes) > len(new_pages):
+            return None
         blocks = starts // size - self._slots.first_block[slots]  # own block of each span's first row
         table = self._slots.table
         pages = table[slots, np.minimum(blocks, table.shape[1] - 1)]
