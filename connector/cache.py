@@ -302,12 +302,7 @@ class RoutedExpertsCache:
         segments = self._continuing_segments_small(batch, self._pages.free)
         if segments is None:
             return False
-        source_rows, target_rows, lengths, table_slots, table_blocks, completed = segments
-        if lengths:
-            self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
-        self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
-        self._settle(self._settling(completed))
-        self._counters["captured_rows"] += sum(lengths)
+        self._write_on_free_pages(source, batch, segments)
         return True
 
     def _capture_within_pages(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
@@ -322,13 +317,18 @@ class RoutedExpertsCache:
         segments = self._segments_within_pages(batch, self._pages.free)
         if segments is None:
             return False
+        self._write_on_free_pages(source, batch, segments)
+        return True
+
+    def _write_on_free_pages(self, source: torch.Tensor, batch, segments) -> None:
+        """Copy and commit continuing spans whose ``segments`` were planned on the first free
+        pages (the pages the allocation below takes, in that order), then settle their blocks."""
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = segments
         if len(lengths):
             self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
         self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
         self._settle(self._settling(completed))
-        self._counters["captured_rows"] += sum(counts.tolist())
-        return True
+        self._counters["captured_rows"] += sum(batch[3].tolist())
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
         """The rows to copy, on the pool's device in its dtype, contiguous and aligned, in the
