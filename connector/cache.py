@@ -805,24 +805,39 @@ class RoutedExpertsCache:
         Pins and publishes batch up where their order does not matter; a pin after a publish
         flushes both, in order: it decides duplicates."""
         requests, pinning, publishing, pages = self._requests, [], [], []
+        size, cursor_of = self.page_size, self._slots.cursor.item
         for request_id, hashes in zip(request_ids, hash_lists):
             request = requests.get(request_id)
             if request is None:
                 request = _Request()
                 self._register(request_id, request)
-            first_new = len(request.hashes)
-            request.hashes += hashes
+                cursor_of = self._slots.cursor.item  # the slot arrays may have grown
+            known = request.hashes
+            first_new = len(known)
+            known += hashes
             first_block = request.first_block
-            pins = hashes if first_block is None else hashes[: first_block - first_new] if first_block > first_new else ()
-            if pins:
+            if first_block is None or first_block > first_new:  # hashes of prefix blocks: pins
                 if publishing:
                     if pinning:
                         self._pages.pin(pinning)
                     self._pages.publish_many(publishing, pages)
                     pinning, publishing, pages = [], [], []
-                pinning += pins
-            if first_block is not None:
-                self._take_settling(request, publishing, pages)
+                if first_block is None:
+                    pinning += hashes
+                    continue
+                pinning += hashes[: first_block - first_new]
+            # Its full own blocks whose hashes are now known settle: ``_take_settling`` inlined
+            # (a call, ``min`` and slices per request cost 1.6x this, measured at 16-256 requests).
+            settled, full = request.num_settled, cursor_of(request.slot) // size
+            settling = (full if full < len(known) else len(known)) - first_block
+            if settling == settled + 1:  # a decode step's newly full block
+                publishing.append(known[first_block + settled])
+                pages.append(request.own_pages[settled])
+                request.num_settled = settling
+            elif settling > settled:
+                publishing += known[first_block + settled : first_block + settling]
+                pages += request.own_pages[settled:settling]
+                request.num_settled = settling
         if pinning:
             self._pages.pin(pinning)
         if publishing:
@@ -946,7 +961,11 @@ class RoutedExpertsCache:
         settled yet to ``hashes`` / ``pages`` (to publish), and count them settled."""
         first_block, settled = request.first_block, request.num_settled
         settling = min(self._slots.cursor.item(request.slot) // self.page_size, len(request.hashes)) - first_block
-        if settling > settled:
+        if settling == settled + 1:  # one block: no slices (a list slice costs more than an index here)
+            hashes.append(request.hashes[first_block + settled])
+            pages.append(request.own_pages[settled])
+            request.num_settled = settling
+        elif settling > settled:
             hashes += request.hashes[first_block + settled : first_block + settling]
             pages += request.own_pages[settled:settling]
             request.num_settled = settling
@@ -1241,5 +1260,9 @@ class RoutedExpertsCache:
                 problems.append("a request's slot arrays disagree with its block map")
             elif r.own_pages and self._slots.table[r.slot, : len(r.own_pages)].tolist() != r.own_pages:
                 problems.append("the block table disagrees with a request's own pages")
+            elif r.first_block is not None and r.num_settled != max(
+                0, min(self._cursor_of(r) // self.page_size, len(r.hashes)) - r.first_block
+            ):
+                problems.append("a request's full own blocks with known hashes are not all settled")
         if problems:
             raise RoutedExpertsCacheError("cache accounting is inconsistent: " + "; ".join(problems))
