@@ -20,9 +20,10 @@ There is one way in per idea: ``capture_batch``, ``read_batch`` and ``add_block_
 take an engine step's requests at once; ``capture``, ``read`` and ``add_block_hashes`` are the
 same calls for one request. Each checks every argument before anything changes. An engine
 connector checks its step's arguments once, where they arise (vLLM's batch arrays and its own
-state): ``capture_step``, ``read_step``, ``add_block_hashes_step`` and ``pin_step`` are the same
-operations without those checks, keeping the ones only the cache can make (a first capture's
-start, ranges, room, releases of what was not retained).
+state): ``capture_step`` (``capture_step_small``: spans as lists), ``read_step``,
+``add_block_hashes_step`` and ``pin_step`` are the same operations without those checks,
+keeping the ones only the cache can make (a first capture's start, ranges, room, releases of
+what was not retained).
 
 Every request also has a slot: its cursor and first captured block live in slot-indexed
 arrays, and a block table ``[slots, blocks]`` mirrors its own pages. Up to ``SMALL_BATCH``
@@ -265,13 +266,31 @@ class RoutedExpertsCache:
         cursor. Checked here as in ``capture_batch``: first captures (one
         by one: a start inside a block needs that block published), ``max_position``, room.
         """
-        first = (self._slots.first_block[slots] < 0).nonzero()[0]
-        if not len(first) and (
-            self._capture_continuing_small(source, slots, starts, source_starts, counts)
-            if len(slots) <= batch_size.SMALL_BATCH
-            else self._capture_within_pages(source, slots, starts, source_starts, counts)
-        ):
+        if len(slots) <= batch_size.SMALL_BATCH:
+            lists = (values.tolist() for values in (starts, source_starts, counts))
+            self.capture_step_small(source, request_ids, slots, *lists, starts + counts)
             return
+        first = (self._slots.first_block[slots] < 0).nonzero()[0]
+        if len(first) or not self._capture_within_pages(source, slots, starts, source_starts, counts):
+            self._capture_planned(source, request_ids, slots, starts, source_starts, counts, first)
+
+    def capture_step_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
+                           source_starts: list, counts: list, ends: list) -> None:
+        """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for up
+        to ``SMALL_BATCH`` requests: the connector's small-batch commit builds them in one Python
+        pass, and a step of continuing spans whose new blocks take free pages needs no array of
+        them. Any other step takes ``capture_step``'s general path."""
+        first = (self._slots.first_block[slots] < 0).nonzero()[0]
+        if len(first) or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends):
+            self._capture_planned(
+                source, request_ids, slots, *(np.array(values, dtype=np.int64) for values in (starts, source_starts, counts)),
+                first,
+            )
+
+    def _capture_planned(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
+                         source_starts: np.ndarray, counts: np.ndarray, first: np.ndarray) -> None:
+        """``capture_step`` through ``_write``: first captures (``first``: their indices) planned
+        one by one, the continuing spans as arrays, with the look-ahead at evictions."""
         ends = starts + counts
         if len(ends) and largest(ends) > self.max_position:
             i = int(ends.argmax())
@@ -290,19 +309,17 @@ class RoutedExpertsCache:
         if plans or batch is not None:
             self._write(plans, num_new_pages, self._source_words(source), batch)
 
-    def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
-                                  source_starts: np.ndarray, counts: np.ndarray) -> bool:
+    def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: list,
+                                  source_starts: list, counts: list, ends) -> bool:
         """``capture_step``'s common case without ``_write``'s look-ahead layers: a few
-        continuing spans whose new blocks all take free pages (the first ones, in span order).
-        Returns False, changing nothing, where it does not apply (a new block needs an evicted
-        or demoted page, or a span goes past ``max_position``): ``_write`` handles that step."""
-        if len(starts) and largest(starts + counts) > self.max_position:
-            return False
-        batch = (slots, starts, source_starts, counts, None)
-        segments = self._continuing_segments_small(batch, self._pages.free)
+        continuing spans (lists; no first captures) whose new blocks all take free pages (the
+        first ones, in span order). Returns False, changing nothing, where it does not apply (a
+        new block that needs an evicted or demoted page, a span past ``max_position``)."""
+        segments = self._continuing_segments_small(
+            slots.tolist(), starts, source_starts, counts, self._pages.free, self.max_position)
         if segments is None:
             return False
-        self._write_on_free_pages(source, batch, segments)
+        self._write_on_free_pages(source, slots, ends, sum(counts), segments)
         return True
 
     def _capture_within_pages(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
@@ -313,22 +330,22 @@ class RoutedExpertsCache:
         False, changing nothing, where it does not apply: ``_write`` handles that step."""
         if np.count_nonzero(counts > self.page_size) or np.count_nonzero(starts + counts > self.max_position):  # cheaper than max()
             return False
-        batch = (slots, starts, source_starts, counts, None)
-        segments = self._segments_within_pages(batch, self._pages.free)
+        segments = self._segments_within_pages((slots, starts, source_starts, counts, None), self._pages.free)
         if segments is None:
             return False
-        self._write_on_free_pages(source, batch, segments)
+        self._write_on_free_pages(source, slots, starts + counts, int(counts.sum()), segments)
         return True
 
-    def _write_on_free_pages(self, source: torch.Tensor, batch, segments) -> None:
-        """Copy and commit continuing spans whose ``segments`` were planned on the first free
-        pages (the pages the allocation below takes, in that order), then settle their blocks."""
+    def _write_on_free_pages(self, source: torch.Tensor, slots: np.ndarray, ends, num_rows: int, segments) -> None:
+        """Copy and commit continuing spans (``num_rows`` rows, the requests of ``slots`` now
+        captured up to ``ends``) whose ``segments`` were planned on the first free pages (the
+        pages the allocation below takes, in that order), then settle their blocks."""
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = segments
         if len(lengths):
             self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
-        self._commit_batch(batch, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
+        self._commit_batch(slots, ends, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
         self._settle(self._settling(completed))
-        self._counters["captured_rows"] += sum(batch[3].tolist())
+        self._counters["captured_rows"] += num_rows
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
         """The rows to copy, on the pool's device in its dtype, contiguous and aligned, in the
@@ -391,7 +408,7 @@ class RoutedExpertsCache:
         if plans:
             self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
-            self._commit_batch(batch, pages[num_new_pages:], table_slots, table_blocks)
+            self._commit_batch(batch[0], batch[1] + batch[3], pages[num_new_pages:], table_slots, table_blocks)
         self._settle([request for _, request, *_ in plans] + (self._settling(completed) if batch is not None else []))
         self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
@@ -486,7 +503,7 @@ class RoutedExpertsCache:
         array passes), vectorised above that, with fewer passes where no span is longer than a
         page (decoding); all give the same result."""
         if len(batch[0]) <= batch_size.SMALL_BATCH:
-            return self._continuing_segments_small(batch, new_pages)
+            return self._continuing_segments_small(*(values.tolist() for values in batch[:4]), new_pages)
         if not np.count_nonzero(batch[3] > self.page_size):
             return self._segments_within_pages(batch, new_pages)
         return self._segments_by_page_runs(batch, new_pages)
@@ -547,18 +564,21 @@ class RoutedExpertsCache:
             if len(request.hashes) > request.first_block + request.num_settled
         ]
 
-    def _continuing_segments_small(self, batch, new_pages):
+    def _continuing_segments_small(self, slots: list, starts: list, source_starts: list, counts: list, new_pages,
+                                   max_position: int | None = None):
         """``_continuing_segments`` in plain Python over the spans (lists, no arrays).
-        ``new_pages`` may be the free pages themselves: None if the spans need more of them."""
-        slots, starts, source_starts, counts, _ = batch
+        ``new_pages`` may be the free pages themselves: None if the spans need more of them.
+        With ``max_position``: None too where a span ends past it."""
         size, requests, taken = self.page_size, self._slots.requests, 0
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = [], [], [], [], [], []
-        for slot, start, source_row, count in zip(slots.tolist(), starts.tolist(), source_starts.tolist(), counts.tolist()):
-            if not count:
-                continue
+        for slot, start, source_row, count in zip(slots, starts, source_starts, counts):
             request = requests[slot]
             pages, first_block = request.own_pages, request.first_block
             position, end = start, start + count
+            if max_position is not None and end > max_position:
+                return None
+            if not count:
+                continue
             if end // size > start // size:
                 completed.append(slot)
             while position < end:
@@ -596,17 +616,16 @@ class RoutedExpertsCache:
         block = first_block[span] + np.arange(len(span)) - np.repeat(np.cumsum(runs) - runs, runs)
         return span, block, np.maximum(starts[span], block * size), np.minimum(ends[span], block * size + size)
 
-    def _commit_batch(self, batch, pages: list[int], table_slots, table_blocks) -> None:
+    def _commit_batch(self, slots: np.ndarray, ends, pages: list[int], table_slots, table_blocks) -> None:
         """Apply the continuing spans: new pages into the block maps and the block table (at
-        the cells ``_continuing_segments`` named), cursors. Python per new page only; blocks
-        settle in the caller."""
-        slots, starts, _, counts, _ = batch
+        the cells ``_continuing_segments`` named), cursors (now ``ends``). Python per new page
+        only; blocks settle in the caller."""
         if pages:
             self._slots.set_pages(table_slots, table_blocks, pages)
             requests = self._slots.requests
             for slot, page in zip(table_slots if type(table_slots) is list else table_slots.tolist(), pages):
                 requests[slot].own_pages.append(page)  # in block order per request
-        self._slots.cursor[slots] = starts + counts
+        self._slots.cursor[slots] = ends
 
     def _first_capture_unpins(self, plans: list[tuple]) -> list[bytes]:
         """The hashes this call's first captures stop pinning (the request's own blocks), in

@@ -16,6 +16,8 @@ Refused: a ``RoutedExpertsCacheError`` (the documented subclass where there is o
 ``test_bad_input.py`` runs this file again under ``python -O`` (asserts in the library vanish).
 """
 
+from operator import add
+
 import numpy as np
 import pytest
 import torch
@@ -325,6 +327,35 @@ def test_positions_past_the_limit_are_refused_in_every_call_without_change(backe
         POSITION_CALLS[call_name](cache, 64 + past)
     assert_unchanged(before, observe(cache))
     cache.check_consistency()
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("call_name", ["capture_step", "capture_step_small"])
+def test_an_engine_step_past_the_limit_is_refused_without_change(backend, call_name):
+    """The engine's calls (spans as arrays, or as lists from the connector's small-batch
+    commit) take continuing spans on free pages by a shortcut: a span ending past
+    ``max_position`` still fails with nothing changed, and one ending at it is taken."""
+    cache = RoutedExpertsCache(32, PAGE, ROW, device=TEST_DEVICE, backend=backend, max_position=64)
+    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
+    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    rows = (torch.arange(62 * 6).reshape(62, *ROW) % 90).to(cache.device, cache.dtype)
+
+    def step(counts):
+        ids, slots, starts, source_starts = ["b", "a"], cache.slots(["b", "a"]), [3, 6], [0, 2]
+        if call_name == "capture_step":
+            as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+            cache.capture_step(rows, ids, slots, as_array(starts), as_array(source_starts), as_array(counts))
+        else:
+            cache.capture_step_small(rows, ids, slots, starts, source_starts, counts, list(map(add, starts, counts)))
+
+    before = observe(cache)
+    with pytest.raises(InvalidCaptureError, match="max_position 64"):
+        step([1, 59])  # "a" would end at 65
+    assert_unchanged(before, observe(cache))
+    step([2, 58])  # "a" ends at 64, the limit
+    assert torch.equal(cache.read("a", 6, 64), rows[2:60])
+    assert torch.equal(cache.read("b", 3, 5), rows[0:2])
+    cache.check_consistency()
+
 
 
 @pytest.mark.parametrize("start", [2**31, 2**40, 2**62, 2**63 - 4, 2**63, 2**64])

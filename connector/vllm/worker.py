@@ -500,8 +500,8 @@ class CacheWorkerConnector:
         bounds, starts = pending.query_start_loc.tolist(), pending.token_starts.tolist()
         captured_list, emit_list = self._capture_cursor[slots].tolist(), self._emit_cursor[slots].tolist()
         scheduled_list = self._scheduled_cursor[slots].tolist()
-        capture_starts, counts, token_ends, scheduled_ends, emit_cursors, outputs = [], [], [], [], [], []
-        reattached = 0
+        capture_starts, counts, token_ends, scheduled_ends, emit_cursors, outputs, earlier = [], [], [], [], [], [], []
+        reattached = returned = 0
         for i, (start, captured, emit_start, accepted, dropped) in enumerate(
             zip(starts, captured_list, emit_list, sampled.tolist(), rejected.tolist())
         ):
@@ -523,30 +523,33 @@ class CacheWorkerConnector:
             scheduled_ends.append(start + num_rows)
             if accepted > 0 and emit_start <= end:
                 emit_cursors.append(end)
+                returned += end - emit_start
+                if emit_start < start_at:  # rows from before this step (a prefix hit's)
+                    earlier.append(len(outputs))
                 outputs.append((i, emit_start, row_start + max(emit_start - start_at, 0), row_start + count))
             else:
                 emit_cursors.append(emit_start)
         self._reattachments += reattached
-        self._cache.capture_step(
-            pending.snapshot, request_ids, slots, np.array(capture_starts, dtype=np.int64),
-            pending.query_start_loc[:-1], np.array(counts, dtype=np.int64),
-        )
+        self._cache.capture_step_small(pending.snapshot, request_ids, slots, capture_starts, bounds[:-1], counts, token_ends)
         self._capture_cursor[slots] = token_ends
         self._scheduled_cursor[slots] = scheduled_ends
         self._emit_cursor[slots] = emit_cursors
+        self._returned_rows += returned
         host = self._copy_out(pending.snapshot)
+        if not earlier:
+            return {
+                request_ids[i]: AuxRequestOutput(emit_start, host[first_row:end_row])
+                for i, emit_start, first_row, end_row in outputs
+            }
+        # Those requests get their whole interval from the pool.
         rows = [host[first_row:end_row] for _, _, first_row, end_row in outputs]
-        self._returned_rows += sum(token_ends[i] - emit_start for i, emit_start, _, _ in outputs)
-        # Rows from before this step (a prefix hit's): the whole interval from the pool.
-        earlier = [j for j, (i, emit_start, _, _) in enumerate(outputs) if emit_start < capture_starts[i]]
-        if earlier:
-            picked = [outputs[j][0] for j in earlier]
-            read = self._pool_rows(
-                [request_ids[i] for i in picked], slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
-                np.array([token_ends[i] for i in picked], dtype=np.int64),
-            )
-            for j, request_rows in zip(earlier, read):
-                rows[j] = request_rows
+        picked = [outputs[j][0] for j in earlier]
+        read = self._pool_rows(
+            [request_ids[i] for i in picked], slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
+            np.array([token_ends[i] for i in picked], dtype=np.int64),
+        )
+        for j, request_rows in zip(earlier, read):
+            rows[j] = request_rows
         return {
             request_ids[i]: AuxRequestOutput(emit_start, row_block)
             for (i, emit_start, _, _), row_block in zip(outputs, rows)
