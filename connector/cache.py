@@ -36,9 +36,9 @@ do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segmen
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, chain, compress, islice
+from itertools import accumulate, chain, compress, islice, repeat
 from math import prod
-from operator import add, eq, not_
+from operator import add, eq, not_, sub
 
 import numpy as np
 import torch
@@ -1023,10 +1023,14 @@ class RoutedExpertsCache:
         one by one in ``_append_segments``, their segments landing at their packed offsets.
         """
         n, size = len(request_ids), self.page_size
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
-        source_rows, target_rows, lengths, others = [], [], [], range(n)
-        if n > batch_size.SMALL_BATCH:  # intervals within a request's own rows located with array passes
+        source_rows, target_rows, lengths = [], [], []
+        if n <= batch_size.SMALL_BATCH:  # offsets summed in Python: numpy's cumsum costs more for a few
+            others, start_list, end_list = range(n), starts.tolist(), ends.tolist()
+            offset_list = list(accumulate(map(max, map(sub, end_list, start_list), repeat(0, n)), initial=0))
+            offsets = None  # an array once every interval is found (their rows fit the pool, so int64)
+        else:  # intervals within a request's own rows located with array passes
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.maximum(ends - starts, 0), out=offsets[1:])
             first_block = self._slots.first_block[slots]
             own = (slots >= 0) & (first_block >= 0) & (starts >= first_block * size) & (starts <= ends)
             own &= ends <= self._slots.cursor[slots]
@@ -1037,12 +1041,15 @@ class RoutedExpertsCache:
             target_rows.append(offsets[pick][span] + first - starts[pick][span])
             lengths.append(end - first)
             others = (~own).nonzero()[0].tolist()
+            start_list, end_list, offset_list = starts[others].tolist(), ends[others].tolist(), offsets[others].tolist()
         seg_source_row, seg_target_row, seg_end = [], [], []
-        for i, start, end, offset in zip(others, starts[others].tolist(), ends[others].tolist(), offsets[others].tolist()):
+        for i, start, end, offset in zip(others, start_list, end_list, offset_list):
             seg_start = [offset]
             self._append_segments(request_ids[i], start, end, seg_source_row, seg_start)
             seg_target_row += seg_start[:-1]
             seg_end += seg_start[1:]
+        if offsets is None:
+            offsets = np.array(offset_list, dtype=np.int64)
         seg_lengths = [end - start for start, end in zip(seg_target_row, seg_end)]
         if lengths:  # with the array passes' segments
             lengths, source_rows, target_rows = (
