@@ -1441,7 +1441,9 @@ def test_steps_with_arrivals_above_the_small_batch_equal_the_general_path(make_c
     assert torch.equal(pages, pages_ref) and states == states_ref and published == published_ref and stats == stats_ref
     assert all(torch.equal(read.cpu(), torch.cat(expected[request_id])) for read, request_id in zip(reads, live))
     assert all(torch.equal(a, b) for a, b in zip(reads, reads_ref))
-    assert stats["published"] > 0 and stats["prefix_hit_rows"] == (num_steps - 1) * (2 * page_size - 1)
+    hits = [f"a{step}-0" for step in range(1, num_steps) if cursors[f"a{step}-0"] > 2 * page_size - 1]  # captured a row
+    assert len(hits) >= num_steps // 2  # (a first capture of no rows is none: its hit counts when it captures)
+    assert stats["published"] > 0 and stats["prefix_hit_rows"] == len(hits) * (2 * page_size - 1)
     assert len(taken[0]) == num_steps - 1 and min(taken[0]) > batch_size.SMALL_BATCH  # every step with arrivals
     assert (stats["evictions"] > 0) == (free_pages == "short")
 
