@@ -21,5 +21,13 @@ def largest(values: np.ndarray) -> int:
     return max(values.tolist()) if len(values) <= SMALL_BATCH else int(values.max())
 
 
-def total(values: np.ndarray) -> int:
+def total(values) -> int:
+    """The sum of an array, or of a list (the small-batch paths' spans)."""
+    if type(values) is list:
+        return sum(values)
     return sum(values.tolist()) if len(values) <= SMALL_BATCH else int(values.sum())
+
+
+def as_plain_list(values) -> list:
+    """A list of the values: the list itself, or an array's ``tolist()``."""
+    return values if type(values) is list else values.tolist()

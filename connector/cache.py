@@ -50,7 +50,7 @@ from .checks import (
 from ..errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
 from . import batch_size
-from .batch_size import largest, total
+from .batch_size import as_plain_list, largest, total
 from .page_pool import PagePool
 from .request_slots import RequestSlots
 
@@ -268,7 +268,7 @@ class RoutedExpertsCache:
         """
         if len(slots) <= batch_size.SMALL_BATCH:
             lists = (values.tolist() for values in (starts, source_starts, counts))
-            self.capture_step_small(source, request_ids, slots, *lists, starts + counts)
+            self.capture_step_small(source, request_ids, slots, *lists, (starts + counts).tolist())
             return
         first = (self._slots.first_block[slots] < 0).nonzero()[0]
         if len(first) or not self._capture_within_pages(source, slots, starts, source_starts, counts):
@@ -280,12 +280,30 @@ class RoutedExpertsCache:
         to ``SMALL_BATCH`` requests: the connector's small-batch commit builds them in one Python
         pass, and a step of continuing spans whose new blocks take free pages needs no array of
         them. Any other step takes ``capture_step``'s general path."""
-        first = (self._slots.first_block[slots] < 0).nonzero()[0]
-        if len(first) or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends):
-            self._capture_planned(
-                source, request_ids, slots, *(np.array(values, dtype=np.int64) for values in (starts, source_starts, counts)),
-                first,
-            )
+        first = (self._slots.first_block[slots] < 0).nonzero()[0].tolist()
+        if first or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends):
+            self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first)
+
+    def _capture_planned_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
+                               source_starts: list, counts: list, ends: list, first: list) -> None:
+        """``_capture_planned`` with the spans as lists: the continuing ones reach ``_write`` as
+        lists too (its small-batch splitting takes lists), no array is built of them."""
+        if ends and max(ends) > self.max_position:
+            i = ends.index(max(ends))
+            self._check_span(request_ids[i], starts[i], source_starts[i], counts[i], source.shape[0])
+        plans, num_new_pages = self._plan_captures(
+            source.shape[0], [(request_ids[i], starts[i], source_starts[i], counts[i]) for i in first])
+        if first:
+            planned = set(first)
+            keep = [i for i in range(len(starts)) if i not in planned]
+            slots = slots[keep]
+            starts, source_starts, counts, ends = ([values[i] for i in keep] for values in (starts, source_starts, counts, ends))
+        batch = None
+        if starts:
+            size = self.page_size  # new pages: the blocks begun past the cursor
+            batch = (slots, starts, source_starts, counts, [-(-end // size) + (-start // size) for start, end in zip(starts, ends)])
+        if plans or batch is not None:
+            self._write(plans, num_new_pages, self._source_words(source), batch)
 
     def _capture_planned(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
                          source_starts: np.ndarray, counts: np.ndarray, first: np.ndarray) -> None:
@@ -369,8 +387,9 @@ class RoutedExpertsCache:
     def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch=None) -> None:
         """Copy the planned rows into their pages, then commit the bookkeeping.
 
-        ``plans`` come from ``_plan_captures``; ``batch`` holds continuing spans as arrays
-        ``(slots, starts, source_starts, counts, new_pages)``. Nothing is changed before the
+        ``plans`` come from ``_plan_captures``; ``batch`` holds continuing spans
+        ``(slots, starts, source_starts, counts, new_pages)``, arrays (slots always) or, up to
+        ``SMALL_BATCH`` spans, lists. Nothing is changed before the
         copy: its target pages are chosen by looking ahead at the pages the allocation below
         will take (free ones first, then the oldest evictable, including pages that first
         captures of this call stop pinning), planned spans first, then the batch.
@@ -408,7 +427,8 @@ class RoutedExpertsCache:
         if plans:
             self._commit_captures(plans, pages[:num_new_pages])
         if batch is not None:
-            self._commit_batch(batch[0], batch[1] + batch[3], pages[num_new_pages:], table_slots, table_blocks)
+            ends = list(map(add, batch[1], batch[3])) if type(batch[1]) is list else batch[1] + batch[3]
+            self._commit_batch(batch[0], ends, pages[num_new_pages:], table_slots, table_blocks)
         self._settle([request for _, request, *_ in plans] + (self._settling(completed) if batch is not None else []))
         self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
@@ -429,7 +449,7 @@ class RoutedExpertsCache:
             slots, starts, _, counts, _ = batch
             wanted += [
                 f"{self._slots.ids[slot]!r} [{start}, {start + count})"
-                for slot, start, count in zip(slots.tolist(), starts.tolist(), counts.tolist())
+                for slot, start, count in zip(*map(as_plain_list, (slots, starts, counts)))
             ]
         host = self._pages.host_pages
         host_room = f" (host tier: {self._pages.room(releasing) - free - evictable} to demote of {host})" if host else ""
@@ -503,7 +523,7 @@ class RoutedExpertsCache:
         array passes), vectorised above that, with fewer passes where no span is longer than a
         page (decoding); all give the same result."""
         if len(batch[0]) <= batch_size.SMALL_BATCH:
-            return self._continuing_segments_small(*(values.tolist() for values in batch[:4]), new_pages)
+            return self._continuing_segments_small(*map(as_plain_list, batch[:4]), new_pages)
         if not np.count_nonzero(batch[3] > self.page_size):
             return self._segments_within_pages(batch, new_pages)
         return self._segments_by_page_runs(batch, new_pages)
@@ -696,19 +716,24 @@ class RoutedExpertsCache:
         ``index_copy_`` into the target (or one ``index_select`` into a packed gather's target).
         On an H200 these launches cost the host about a third of the kernel's (upload and
         launch, ``bench/bench_small_scatter.py``), and the rows of a decode step are few.
-        Segments as lists (the small-batch paths) are expanded in Python, as arrays in numpy."""
+        Segments as lists (the small-batch paths) are checked for contiguous rows segment by
+        segment and expanded with C-level iterators, only the side the copy indexes (a step's
+        contiguous rows need no source index, a packed read no target index); as arrays, in
+        numpy."""
         if type(lengths) is list:
-            if rows == len(lengths):  # one row per segment: a decode step's captures
-                source_rows, target_rows = seg_source_row, seg_target_row
-            else:
-                source_rows, target_rows = (
-                    list(chain.from_iterable(map(range, firsts, map(add, firsts, lengths))))
-                    for firsts in (seg_source_row, seg_target_row)
-                )
-            index = np.fromiter(chain(source_rows, target_rows), np.int64, 2 * rows)
-            first = source_rows[0]
-            contiguous = source_rows[-1] - first == rows - 1 and all(map(eq, source_rows[1:], range(first + 1, first + rows)))
-            packed = source is not target and target.shape[0] == rows and all(map(eq, target_rows, range(rows)))
+            one_row = rows == len(lengths)  # a decode step's captures: the segments are the rows
+            first = seg_source_row[0]
+            source_ends = range(first + 1, first + rows + 1) if one_row else list(map(add, seg_source_row, lengths))
+            contiguous = source is not target and all(map(eq, seg_source_row[1:], source_ends))
+            packed = source is not target and target.shape[0] == rows and seg_target_row[0] == 0 and all(
+                map(eq, seg_target_row[1:], range(1, rows) if one_row else accumulate(lengths)))
+            sides = []
+            if packed or not contiguous:
+                sides.append(seg_source_row if one_row else chain.from_iterable(map(range, seg_source_row, source_ends)))
+            if not packed:
+                sides.append(seg_target_row if one_row else chain.from_iterable(
+                    map(range, seg_target_row, map(add, seg_target_row, lengths))))
+            index = np.fromiter(chain.from_iterable(sides), np.int64, len(sides) * rows)
         else:
             index = np.empty(2 * rows, dtype=np.int64)
             if rows == len(lengths):
@@ -718,22 +743,25 @@ class RoutedExpertsCache:
                 index[:rows] = np.repeat(seg_source_row, lengths) + within
                 index[rows:] = np.repeat(seg_target_row, lengths) + within
             first = int(index[0])
-            contiguous = int(index[rows - 1]) - first == rows - 1 and not np.count_nonzero(np.diff(index[:rows]) - 1)
+            contiguous = source is not target and int(index[rows - 1]) - first == rows - 1 and not np.count_nonzero(
+                np.diff(index[:rows]) - 1)
             packed = source is not target and target.shape[0] == rows and not np.count_nonzero(index[rows:] - np.arange(rows))
         index = torch.from_numpy(index)
         if index.device != self.device:
             index = index.to(self.device, non_blocking=True)
-        self._copy_rows(source, target, index[:rows], index[rows:], first if contiguous else None, packed)
+        source_index = index[:rows] if packed or not contiguous else None
+        self._copy_rows(source, target, source_index, None if packed else index[-rows:], first if contiguous else None, packed)
 
     @staticmethod
     def _copy_rows(source, target, source_index, target_index, source_first, packed_target: bool) -> None:
         """``target[target_index] = source[source_index]``; ``source_first``: the source rows
-        are ``source_first`` on, contiguous (None: they are not); ``packed_target``: the target
-        rows are all of ``target``, in order."""
+        are ``source_first`` on, contiguous, and ``source`` is not ``target`` (None: either is
+        not; where it is given, ``source_index`` may be None); ``packed_target``: the target rows
+        are all of ``target``, in order (``target_index`` None)."""
         if packed_target:
             torch.index_select(source, 0, source_index, out=target)
-        elif source_first is not None and source is not target:  # a view, no gather (not for pool-to-pool copies)
-            target.index_copy_(0, target_index, source[source_first : source_first + len(source_index)])
+        elif source_first is not None:  # a view, no gather
+            target.index_copy_(0, target_index, source[source_first : source_first + len(target_index)])
         else:
             target.index_copy_(0, target_index, source.index_select(0, source_index))
 

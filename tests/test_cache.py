@@ -256,7 +256,7 @@ def test_one_device_copy_per_batched_call(make_cache, gen):
     calls = []
     copy, copy_rows = cache._copy, cache._copy_rows
     cache._copy = lambda *args: (calls.append(args[-1]), copy(*args))
-    cache._copy_rows = lambda *args: (calls.append(len(args[2])), copy_rows(*args))
+    cache._copy_rows = lambda *args: (calls.append(len(args[3] if args[2] is None else args[2])), copy_rows(*args))
     rows = rand_rows(gen, 11)
     cache.capture_batch(rows, ["a", "b", "c"], [0, 0, 4], [0, 5, 9], [5, 4, 2])
     assert calls == [11]
@@ -1326,14 +1326,19 @@ def test_a_continuing_batch_that_needs_more_pages_than_exist_is_refused_whole(ma
 
 
 
-@pytest.mark.parametrize("case", ["scatter", "scatter_contiguous", "gather_packed", "gather_permuted", "pool_to_pool"])
+@pytest.mark.parametrize("case", [
+    "scatter", "scatter_contiguous", "scatter_gap_at_end", "gather_packed", "gather_permuted", "gather_last_swapped",
+    "pool_to_pool",
+])
 @pytest.mark.parametrize("max_segment_rows", [1, 3])
 def test_small_copies_by_row_equal_the_segment_copy(make_cache, monkeypatch, case, max_segment_rows):
     """Copies of up to ``SMALL_COPY_ROWS`` rows go by torch index copies by row, their segments
     expanded to rows in Python (lists, the small-batch paths) or in numpy (arrays); above it,
     through the segment copy (the kernel, or its torch twin). All three leave the same target,
     for each kind of copy the cache makes: a step's rows into pages (scattered or contiguous in
-    the step), a read into a packed output, and pages copied within the pool (seeds)."""
+    the step), a read into a packed output, and pages copied within the pool (seeds); a step's
+    rows that break their run only at the last segment are not taken for contiguous, nor a read
+    whose last two segments are swapped for packed."""
     rng = np.random.default_rng(max_segment_rows)
     n, row_shape, page_size, num_pages = 7, (5, 3), 4, 24
     pool_rows = num_pages * page_size
@@ -1344,8 +1349,10 @@ def test_small_copies_by_row_equal_the_segment_copy(make_cache, monkeypatch, cas
     sources, targets = {
         "scatter": ([3 * i + 1 for i in rng.permutation(n).tolist()], slots[:n]),
         "scatter_contiguous": ([2 + o for o in offsets], slots[:n]),
+        "scatter_gap_at_end": ([2 + o for o in offsets[:-1]] + [3 + offsets[-1]], slots[:n]),
         "gather_packed": (slots[:n], offsets),
         "gather_permuted": (slots[:n], [rows - o - length for o, length in zip(offsets, lengths)]),  # last first
+        "gather_last_swapped": (slots[:n], offsets[:-2] + [offsets[-2] + lengths[-1], offsets[-2]]),
         "pool_to_pool": (slots[n:], slots[:n]),
     }[case]
     start = torch.from_numpy(rng.integers(-(2**15), 2**15, (pool_rows, *row_shape), dtype=np.int16))
