@@ -395,7 +395,9 @@ class RoutedExpertsCache:
         captures of this call stop pinning), planned spans first, then the batch.
         """
         batch_new = total(batch[4]) if batch is not None else 0
-        releasing = self._pages.released_by(self._first_capture_unpins(plans)) if plans else []
+        releasing = []  # with enough free pages, the allocation below takes no page they release
+        if plans and num_new_pages + batch_new > len(self._pages.free):
+            releasing = self._pages.released_by(self._first_capture_unpins(plans))
         self._check_room(plans, num_new_pages, batch, batch_new, len(releasing))
         new_pages, victims, demotions = self._pages.next_pages(num_new_pages + batch_new, releasing)
         seeds, segments = [], []
@@ -727,13 +729,13 @@ class RoutedExpertsCache:
             contiguous = source is not target and all(map(eq, seg_source_row[1:], source_ends))
             packed = source is not target and target.shape[0] == rows and seg_target_row[0] == 0 and all(
                 map(eq, seg_target_row[1:], range(1, rows) if one_row else accumulate(lengths)))
-            sides = []
+            expanded = []  # the rows of the sides the copy indexes
             if packed or not contiguous:
-                sides.append(seg_source_row if one_row else chain.from_iterable(map(range, seg_source_row, source_ends)))
+                expanded.append(seg_source_row if one_row else chain.from_iterable(map(range, seg_source_row, source_ends)))
             if not packed:
-                sides.append(seg_target_row if one_row else chain.from_iterable(
+                expanded.append(seg_target_row if one_row else chain.from_iterable(
                     map(range, seg_target_row, map(add, seg_target_row, lengths))))
-            index = np.fromiter(chain.from_iterable(sides), np.int64, len(sides) * rows)
+            index = np.fromiter(chain.from_iterable(expanded), np.int64, len(expanded) * rows)
         else:
             index = np.empty(2 * rows, dtype=np.int64)
             if rows == len(lengths):
@@ -746,11 +748,15 @@ class RoutedExpertsCache:
             contiguous = source is not target and int(index[rows - 1]) - first == rows - 1 and not np.count_nonzero(
                 np.diff(index[:rows]) - 1)
             packed = source is not target and target.shape[0] == rows and not np.count_nonzero(index[rows:] - np.arange(rows))
-        index = torch.from_numpy(index)
-        if index.device != self.device:
-            index = index.to(self.device, non_blocking=True)
-        source_index = index[:rows] if packed or not contiguous else None
-        self._copy_rows(source, target, source_index, None if packed else index[-rows:], first if contiguous else None, packed)
+        needs_source, needs_target = packed or not contiguous, not packed  # index: source rows, then target rows
+        if self.device.type == "cpu":  # views of the host array: cheaper than slicing a tensor
+            source_index = torch.from_numpy(index[:rows]) if needs_source else None
+            target_index = torch.from_numpy(index[-rows:]) if needs_target else None
+        else:  # one host-to-device copy, sliced there
+            index = torch.from_numpy(index).to(self.device, non_blocking=True)
+            source_index = index[:rows] if needs_source else None
+            target_index = index[-rows:] if needs_target else None
+        self._copy_rows(source, target, source_index, target_index, first if contiguous else None, packed)
 
     @staticmethod
     def _copy_rows(source, target, source_index, target_index, source_first, packed_target: bool) -> None:
