@@ -279,7 +279,8 @@ class RoutedExpertsCache:
         """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for up
         to ``SMALL_BATCH`` requests: the connector's small-batch commit builds them in one Python
         pass, and a step of continuing spans whose new blocks take free pages needs no array of
-        them. Any other step takes ``capture_step``'s general path."""
+        them. Any other step (first captures, new blocks on evicted pages) goes through
+        ``_write``, the spans still lists."""
         first = (self._slots.first_block[slots] < 0).nonzero()[0].tolist()
         if first or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends):
             self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first)
