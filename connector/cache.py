@@ -208,6 +208,15 @@ class RoutedExpertsCache:
             slots[i] = self._slots.of[request_ids[i]]
         return slots
 
+    def slots_step(self, request_ids: list) -> list[int]:
+        """``slots`` for an engine step's new requests, whose ids the caller has checked (vLLM's
+        own request ids, each listed once): no type checks, no arrays; Python per new request."""
+        of = self._slots.of
+        for request_id in request_ids:
+            if request_id not in of:
+                self._register(request_id, _Request())
+        return list(map(of.__getitem__, request_ids))
+
     def capture_batch(self, source: torch.Tensor, request_ids: Sequence, starts, source_starts, counts, slots=None) -> None:
         """Store ``source[source_starts[i] : source_starts[i] + counts[i]]`` as request
         ``request_ids[i]``'s positions from ``starts[i]`` on, for every i.

@@ -1231,6 +1231,24 @@ def test_batched_calls_match_the_per_request_calls_and_refuse_a_stale_slot(make_
     assert_accounting(batched)
 
 
+def test_step_slots_equal_the_checked_slots(make_cache, gen):
+    """``slots_step`` (the connector's unchecked call for a step's new requests) gives what
+    ``slots`` gives: known requests keep their slot, new ones are registered once, a finished
+    request's slot is reused, and the stats agree."""
+    checked, step = make_cache(8, page_size=4), make_cache(8, page_size=4)
+    rows = rand_rows(gen, 6)
+    for cache in (checked, step):
+        cache.capture("a", 0, rows)
+        cache.add_block_hashes("b", [h("p", 0)])
+        cache.capture("x", 0, rows[:2])
+        cache.finish("x")
+    ids = ["c", "a", "b", "d", 7]
+    assert step.slots_step(ids) == checked.slots(ids).tolist()
+    assert step.slots_step(["d", "e"]) == checked.slots(["d", "e"]).tolist()
+    assert step.stats() == checked.stats()
+    assert_accounting(step)
+
+
 def test_a_reused_slot_starts_empty(make_cache, gen):
     """A request that takes a finished request's slot has captured nothing yet: its cursor,
     first block and pages start afresh."""

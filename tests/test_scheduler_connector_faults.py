@@ -148,6 +148,23 @@ def test_a_step_with_a_bad_block_hash_is_refused_before_anything_changes():
     check_output(out, "a", 7, 8)
 
 
+@pytest.mark.parametrize("bad_id", [True, ("a",), 1.5, b"n"])
+@pytest.mark.parametrize("generation", [0, 1])
+def test_a_new_request_id_of_the_wrong_type_is_refused_before_anything_changes(bad_id, generation):
+    """New requests' ids are checked at begin_step (the cache's step call takes them as they
+    come); a refusal changes nothing, also when the step would start a new generation."""
+    driver = Driver()
+    two_requests(driver)
+    before = driver.cache.stats()
+    with pytest.raises(RoutedExpertsCacheError, match="request id must be a str or int"):
+        driver.connector.begin_step(metadata({"a": 7, "n": 0, bad_id: 0}, finished=["b"], generation=generation))
+    assert driver.cache.stats() == before
+    assert driver.connector.stats()["requests_tracked"] == 2
+    driver.expect_rows("a", 0, 7)
+    out = driver.step(metadata({"a": 7}), [("a", 7, 1)])
+    check_output(out, "a", 7, 8)
+
+
 def test_reset_with_outputs_in_flight_is_refused_and_changes_nothing():
     driver = Driver()
     two_requests(driver)

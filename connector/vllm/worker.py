@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from .. import batch_size
 from ..batch_size import smallest, total
 from ..cache import RoutedExpertsCache
+from ..checks import check_request_id
 from ...errors import RoutedExpertsCacheError
 from .kv_tiers import retained_blocks
 from .side_stream import SideStream
@@ -149,8 +150,8 @@ class CacheWorkerConnector:
 
     def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
         """Start tracking new requests: take their cache slots and reset those slots' state."""
-        slots = self._cache.slots(request_ids)
-        slot_list = slots.tolist()
+        slot_list = self._cache.slots_step(request_ids)
+        slots = np.array(slot_list, dtype=np.int64)
         if max(slot_list, default=-1) >= len(self._pending):
             grow = max(max(slot_list) + 1, 2 * len(self._pending), 16) - len(self._pending)
             for name in ("_emit_cursor", "_capture_cursor", "_scheduled_cursor", "_pending", "_finished"):
@@ -230,6 +231,11 @@ class CacheWorkerConnector:
             request_ids = list(metadata.requests)
             emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
             new_generation, slots = self._check_metadata(metadata, request_ids, emit_starts)
+            new = (slots < 0).nonzero()[0]
+            new_ids = [request_ids[i] for i in new.tolist()] if len(new) else []
+            if not set(map(type, new_ids)) <= {str, int}:  # the cache's slots_step does not check them
+                for request_id in new_ids:
+                    check_request_id(request_id)
             hashes = StepHashes(metadata)
             self._step_metadata = metadata
             if new_generation:
@@ -244,9 +250,7 @@ class CacheWorkerConnector:
                 self._cache.check_pin_step(hashes.retained, hashes.released, self._deferred_retains())  # refused here
             if self._deferred and not self._pending_outputs:
                 self._apply_deferred()  # no process_output is coming to apply them
-            new = (slots < 0).nonzero()[0]
-            if len(new):
-                new_ids = [request_ids[i] for i in new.tolist()]
+            if new_ids:
                 if self._deferred_teardowns and not self._deferred_teardowns.isdisjoint(new_ids):
                     self._apply_deferred()  # the pool still holds an earlier request of that id
                 self._track(new_ids, emit_starts[new])
