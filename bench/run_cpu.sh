@@ -31,6 +31,8 @@ for v in 033 034; do
   echo "== host work per step vs vLLM ${v:0:1}.${v:1} (default trace, then long outputs) =="
   .venv-vllm$v/bin/python bench/bench_host.py --steps 120
   .venv-vllm$v/bin/python bench/bench_host.py --steps 120 --concurrency 16 64 256 1024 --output-tokens 400 800
+  echo "== host work per step by kind of step (16 requests, default trace), vLLM ${v:0:1}.${v:1} =="
+  .venv-vllm$v/bin/python bench/bench_host_steps.py --concurrency 16
   echo "== CPU KV tier hits taken with exact rows, ours vs vLLM ${v:0:1}.${v:1}'s built-in =="
   .venv-vllm$v/bin/python bench/bench_kv_tier.py --out "$OUT"
 done

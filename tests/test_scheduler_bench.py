@@ -67,6 +67,38 @@ def test_host_ab_benchmark_compares_with_a_revision(tmp_path):
     assert float(row["bookkeeping_ratio"]) > 0 and float(row["begin_step_ratio"]) > 0
 
 
+def test_steps_are_classified_by_what_their_metadata_starts_and_finishes():
+    from types import SimpleNamespace
+
+    from bench.bench_host_steps import step_kinds
+
+    def begin(requests, finished=()):
+        return ("begin", SimpleNamespace(requests=dict.fromkeys(requests, 0), finished_requests=tuple(finished)))
+
+    events = [begin(["a", "b"]), ("prepare", 0, None, None), begin(["a", "b"]), begin(["b", "c"], ["a"]),
+              begin(["b"], ["c"]), ("begin", None), begin(["c"])]  # "c" again: seen before, not a start
+    assert step_kinds(events) == ["starts", "neither", "starts and finishes", "finishes", "neither", "neither"]
+
+
+def test_host_steps_benchmark_reports_each_kind_for_both_connectors(tmp_path):
+    """bench_host_steps.py: one row per connector and kind of step, the same step counts for
+    both, every step counted once, and a trace's first step starts requests."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_host_steps.py"), "--concurrency", "16", "--steps", "12",
+         "--rounds", "2"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with open(tmp_path / f"host_steps_16_requests_vllm{VLLM_VERSION}.csv") as f:
+        rows = list(csv.DictReader(f))
+    counts = {impl: {r["kind"]: int(r["steps"]) for r in rows if r["impl"] == impl} for impl in {r["impl"] for r in rows}}
+    assert set(counts) == {"routed-experts-cache", BUILTIN}
+    assert counts["routed-experts-cache"] == counts[BUILTIN]
+    assert {"starts", "starts and finishes"} & set(counts[BUILTIN]) and sum(counts[BUILTIN].values()) >= 12
+    assert all(float(r["bookkeeping_ms"]) > 0 for r in rows)
+
+
 def test_host_profile_names_where_each_step_goes(tmp_path):
     """profile_host.py writes, per size, self time and calls per step of the connector's and
     the cache's methods: every hook is there, once per step."""
