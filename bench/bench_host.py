@@ -305,6 +305,26 @@ def replay(setup, events, build) -> dict:
     return {"per_step": per_step, "outputs": outputs}
 
 
+def replay_alternating(setup, events, builds: dict, rounds: int) -> tuple[dict[str, list], dict[str, list]]:
+    """``replay`` through each of ``builds`` (name -> build) ``rounds`` times, their order
+    reversed every other round so that the machine's load falls on all alike; the first round
+    warms up. Returns per name the later rounds' steps (concatenated) and its last replay's
+    outputs."""
+    samples, outputs = {name: [] for name in builds}, {}
+    for round_ in range(rounds):
+        for name in (list(builds) if round_ % 2 else list(builds)[::-1]):
+            result = replay(setup, events, builds[name])
+            outputs[name] = result["outputs"]
+            if round_:
+                samples[name] += result["per_step"]
+    return samples, outputs
+
+
+def trace_suffix(output_tokens) -> str:
+    """The file-name suffix of a trace: none for the default outputs (24-96 tokens)."""
+    return "" if list(output_tokens) == [24, 96] else "_out{}-{}".format(*output_tokens)
+
+
 def summarize(impl: str, concurrency: int, samples: list[dict]) -> dict:
     """Medians over steps: all hooks and the connector's own threads together (wall: the
     hooks only; CPU; CPU without row copies; CPU of the hooks' thread alone) and per hook."""
@@ -453,8 +473,7 @@ def main() -> None:
               f"vLLM {theirs['begin_step_cpu_ms']:.3f} ms", flush=True)
     print()
     print_table(rows, list(rows[0]))
-    trace = "" if args.output_tokens == [24, 96] else "_out{}-{}".format(*args.output_tokens)
-    name = f"host_overhead_vllm{VLLM_VERSION}{trace}.csv"  # one file per vLLM release and trace
+    name = f"host_overhead_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv"  # one file per vLLM release and trace
     csv_path = save_csv(rows, name, torch.device("cpu"))
     plot(rows, csv_path.with_suffix(".png"))
     print(f"wrote {csv_path.with_suffix('.png')}")

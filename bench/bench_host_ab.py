@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_host import HOOKS, record_trace, replay, same_outputs  # noqa: E402
+from bench.bench_host import HOOKS, record_trace, replay_alternating, same_outputs, trace_suffix  # noqa: E402
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
 
@@ -75,13 +75,7 @@ def main() -> None:
         rows = []
         for concurrency in args.concurrency:
             setup, events, _ = record_trace(concurrency, args.steps, output_tokens=tuple(args.output_tokens))
-            samples, outputs = {name: [] for name in builds}, {}
-            for round_ in range(args.rounds):
-                for name in (list(builds) if round_ % 2 else list(builds)[::-1]):
-                    result = replay(setup, events, builds[name])
-                    outputs[name] = result["outputs"]
-                    if round_:
-                        samples[name] += result["per_step"]
+            samples, outputs = replay_alternating(setup, events, builds, args.rounds)
             if not same_outputs(*outputs.values()):
                 raise SystemExit(f"{concurrency} requests: the two revisions returned different rows")
             median = {name: {
@@ -100,8 +94,7 @@ def main() -> None:
                   f"-> {rows[-1]['bookkeeping_ratio']:.3f}; begin_step {new['begin_step']:.3f} vs {old['begin_step']:.3f} ms; "
                   f"identical rows", flush=True)
     print_table(rows, list(rows[0]))
-    tokens = "" if args.output_tokens == [24, 96] else f"_out{args.output_tokens[0]}-{args.output_tokens[1]}"
-    save_csv(rows, f"host_ab_vllm{VLLM_VERSION}{tokens}.csv", torch.device("cpu"))
+    save_csv(rows, f"host_ab_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv", torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_host import TIMED, builders, record_trace, replay  # noqa: E402
+from bench.bench_host import TIMED, builders, record_trace, replay_alternating, trace_suffix  # noqa: E402
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION  # noqa: E402
 
@@ -76,14 +76,10 @@ def main() -> None:
     setup, events, _ = record_trace(args.concurrency, args.steps, output_tokens=tuple(args.output_tokens))
     kinds = step_kinds(events)
     builds = builders()
-    samples = {name: [] for name in builds}
-    for round_ in range(args.rounds):
-        for name in (list(builds) if round_ % 2 else list(builds)[::-1]):
-            per_step = replay(setup, events, builds[name])["per_step"]
-            if len(per_step) != len(kinds):
-                raise SystemExit(f"{name}: {len(per_step)} steps timed, {len(kinds)} in the trace")
-            if round_:
-                samples[name] += per_step
+    samples, _ = replay_alternating(setup, events, builds, args.rounds)
+    for name, per_step in samples.items():
+        if len(per_step) != len(kinds) * (args.rounds - 1):
+            raise SystemExit(f"{name}: {len(per_step)} steps timed in {args.rounds - 1} rounds, {len(kinds)} in the trace")
     rows = []
     for name, per_step in samples.items():
         for kind, row in by_kind(kinds, per_step).items():
@@ -95,8 +91,8 @@ def main() -> None:
               f"built-in {builtin[kind]['bookkeeping_ms']:.3f} ms -> "
               f"{ours[kind]['bookkeeping_ms'] / builtin[kind]['bookkeeping_ms']:.2f}", flush=True)
     print_table(rows, list(rows[0]))
-    tokens = "" if args.output_tokens == [24, 96] else f"_out{args.output_tokens[0]}-{args.output_tokens[1]}"
-    save_csv(rows, f"host_steps_{args.concurrency}_requests_vllm{VLLM_VERSION}{tokens}.csv", torch.device("cpu"))
+    save_csv(rows, f"host_steps_{args.concurrency}_requests_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv",
+             torch.device("cpu"))
 
 
 if __name__ == "__main__":
