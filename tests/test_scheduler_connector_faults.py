@@ -17,6 +17,7 @@ from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMe
 
 from cpu_harness.vllm_scheduler import SnapshotCapturer, build_our_connector, make_scheduler
 from routed_experts_cache import CacheFullError, RoutedExpertsCache, RoutedExpertsCacheError
+from routed_experts_cache.connector import batch_size
 from routed_experts_cache.connector.vllm.worker import (
     LOG_INTERVAL_ENV,
     CacheWorkerConnector,
@@ -289,6 +290,32 @@ def test_teardown_waits_for_outputs_in_flight():
     assert driver.cache.stats()["requests"] == 1
     with pytest.raises(Exception, match="'a' is unknown"):
         driver.cache.read("a", 0, 1)
+
+
+@pytest.mark.parametrize("small_batch", [batch_size.SMALL_BATCH, 0])  # the plain pass, the array pass
+def test_a_step_finishing_several_requests_tears_down_the_idle_ones_now_and_the_others_later(
+    monkeypatch, small_batch
+):
+    """Terminal events for several requests in one step (one listed twice, one never
+    scheduled): those without outputs in flight leave at once, the one with a step in flight
+    once that step is processed, and every other request's rows stay readable."""
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", small_batch)
+    driver = Driver()
+    driver.step(metadata({"a": 0, "b": 0, "c": 0, "d": 0}), [("a", 0, 3), ("b", 0, 2), ("c", 0, 4), ("d", 0, 1)])
+    pending = driver.launch(metadata({"b": 2}), [("b", 2, 1)])  # b has a step in flight
+    driver.connector.begin_step(metadata(finished=["a", "b", "never", "c", "a"]))
+    assert driver.connector.stats()["requests_tracked"] == 2  # b (in flight) and d
+    assert driver.cache.stats()["requests"] == 2  # stats() applied the pool's updates: a and c left
+    check_output(pending.process_output(), "b", 2, 3)
+    assert driver.connector.stats()["requests_tracked"] == 1
+    assert driver.cache.stats()["requests"] == 1
+    for request_id in ("a", "b", "c"):
+        with pytest.raises(RoutedExpertsCacheError, match=f"'{request_id}' is unknown"):
+            driver.cache.read(request_id, 0, 1)
+    driver.expect_rows("d", 0, 1)
+    out = driver.step(metadata({"d": 1, "a": 0}), [("d", 1, 1), ("a", 0, 2)])  # "a" again: a new request
+    check_output(out, "d", 1, 2)
+    check_output(out, "a", 0, 2)
 
 
 def test_a_request_scheduled_again_before_its_teardown_completes_is_refused():

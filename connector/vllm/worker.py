@@ -256,7 +256,7 @@ class CacheWorkerConnector:
                 self._track(new_ids, emit_starts[new])
             teardowns = []
             if metadata.finished_requests:
-                teardowns = self._finish([r for r in metadata.finished_requests if r in self._slot_of])
+                teardowns = self._finish(list(dict.fromkeys(filter(self._slot_of.__contains__, metadata.finished_requests))))
             imports = getattr(metadata, "imported_rows", None)
             if hashes or imports or teardowns:
                 self._deferred.append((hashes, imports, teardowns))
@@ -293,6 +293,18 @@ class CacheWorkerConnector:
         Returns the requests torn down now, whose pages the pool frees with the step's updates."""
         if not request_ids:
             return []
+        if len(request_ids) <= batch_size.SMALL_BATCH:  # one plain pass: a step finishes a few
+            finished, pending, slot_of, torn_down = self._finished, self._pending, self._slot_of, []
+            for request_id in request_ids:
+                slot = slot_of[request_id]
+                finished[slot] = True
+                if pending[slot]:
+                    self._awaiting_teardown.add(request_id)
+                else:
+                    self._awaiting_teardown.discard(request_id)
+                    del slot_of[request_id]
+                    torn_down.append(request_id)
+            return torn_down
         slots = self._slots(request_ids)
         self._finished[slots] = True
         idle = self._pending[slots] == 0
