@@ -24,6 +24,14 @@ def check_request_id(request_id) -> None:
         raise RoutedExpertsCacheError(f"request id must be a str or int, got {request_id!r}")
 
 
+def check_request_ids(request_ids: list) -> None:
+    """``check_request_id`` for each id: one C-level pass over their types, the first bad id
+    named when there is one."""
+    if not set(map(type, request_ids)) <= {str, int}:
+        for request_id in request_ids:
+            check_request_id(request_id)
+
+
 def check_position(name: str, value, request_id) -> int:
     if type(value) is not int:
         raise RoutedExpertsCacheError(f"request {request_id!r}: {name} must be an int, got {value!r}")
@@ -75,9 +83,7 @@ def checked_hash_lists(request_ids, hash_lists) -> tuple[list, list[list[bytes]]
     hash_lists = as_list(hash_lists, "block hash lists")
     if len(hash_lists) != len(request_ids):
         raise InvalidCaptureError(f"{len(request_ids)} request ids but {len(hash_lists)} block hash lists")
-    if not set(map(type, request_ids)) <= {str, int}:
-        for request_id in request_ids:
-            check_request_id(request_id)
+    check_request_ids(request_ids)
     for i, hashes in enumerate(hash_lists):
         if type(hashes) is not list:
             hash_lists[i] = as_list(hashes, f"request {request_ids[i]!r}: block hashes")

@@ -4,7 +4,7 @@ from itertools import repeat
 
 import numpy as np
 
-from .checks import check_request_id, index_array
+from .checks import check_request_ids, index_array
 from ..errors import RoutedExpertsCacheError
 
 
@@ -71,9 +71,7 @@ class RequestSlots:
 
     def lookup(self, request_ids: list) -> np.ndarray:
         """Slots of live requests, -1 for unknown ones; ids of the wrong type are refused."""
-        if not set(map(type, request_ids)) <= {str, int}:
-            for request_id in request_ids:
-                check_request_id(request_id)
+        check_request_ids(request_ids)
         return np.fromiter(map(self.of.get, request_ids, repeat(-1)), dtype=np.int64, count=len(request_ids))
 
     def checked(self, request_ids: list, slots) -> np.ndarray:

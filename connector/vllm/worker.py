@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from .. import batch_size
 from ..batch_size import smallest, total
 from ..cache import RoutedExpertsCache
-from ..checks import check_request_id
+from ..checks import check_request_ids
 from ...errors import RoutedExpertsCacheError
 from .kv_tiers import retained_blocks
 from .side_stream import SideStream
@@ -233,9 +233,7 @@ class CacheWorkerConnector:
             new_generation, slots = self._check_metadata(metadata, request_ids, emit_starts)
             new = (slots < 0).nonzero()[0]
             new_ids = [request_ids[i] for i in new.tolist()] if len(new) else []
-            if not set(map(type, new_ids)) <= {str, int}:  # the cache's slots_step does not check them
-                for request_id in new_ids:
-                    check_request_id(request_id)
+            check_request_ids(new_ids)  # the cache's slots_step does not check them
             hashes = StepHashes(metadata)
             self._step_metadata = metadata
             if new_generation:
