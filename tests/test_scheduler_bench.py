@@ -161,3 +161,58 @@ def test_background_threads_count_only_threads_started_after_the_snapshot():
     release.set()
     earlier.join()
     later.join()
+
+
+def test_host_budget_splits_our_bookkeeping_into_parts_against_the_target(tmp_path):
+    """host_budget.py: per size, the target in milliseconds from the built-in's median, each
+    part's time and calls per step (three hook calls a step for the connector; the capture
+    and the row copies run every step), and a CSV row with the same figures."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "host_budget.py"), "--concurrency", "16", "--steps", "12", "--rounds", "2"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    from bench.host_budget import COPIES, PARTS
+
+    text = (tmp_path / f"host_budget_vllm{VLLM_VERSION}.txt").read_text()
+    assert all(part in text for part in [*PARTS, COPIES]) and "target 0.5" in text
+    with open(tmp_path / f"host_budget_vllm{VLLM_VERSION}.csv") as f:
+        (row,) = csv.DictReader(f)
+    figures = {key: float(value) for key, value in row.items() if key not in ("output_tokens",)}
+    assert figures["target_ms"] == figures["target_ratio"] * figures["builtin_ms"] and figures["target_ratio"] == 0.5
+    assert abs(figures["over_target_ms"] - (figures["ours_bookkeeping_ms"] - figures["target_ms"])) < 1e-9
+    assert figures["connector: checks, cursors, commit loop, outputs calls"] == 3.0
+    capture = "cache: capture planning (segments, pages, block table)"
+    assert figures[f"{capture} calls"] == 1.0 and figures[capture] > 0 and figures[COPIES] > 0
+    assert 0 < figures["timer_us_per_call"] < 100 and figures[f"{capture} less timers"] < figures[capture]
+
+
+def test_part_timers_charge_each_step_its_parts_and_restore_every_method():
+    """A step's parts are its own hook calls' (the k-th call of each hook), and the timers
+    leave the classes and the copy function as they found them."""
+    from bench.host_budget import PARTS, PartTimers, middle_half
+    from routed_experts_cache.connector import cache as cache_module
+    from routed_experts_cache.connector.cache import RoutedExpertsCache
+    from routed_experts_cache.connector.page_pool import PagePool
+    from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector
+
+    owners = (CacheWorkerConnector, RoutedExpertsCache, PagePool)
+    before = [dict(vars(owner)) for owner in owners], cache_module.copy_segments_torch
+    pool_part = next(part for part, (cls, _) in PARTS.items() if cls is PagePool)
+    parts = PartTimers()
+    with parts:
+        assert vars(PagePool)["unpin"] is not before[0][2]["unpin"]
+        pool = PagePool(8)
+        step_calls = [  # per step, what each hook does: three pool calls, then two
+            {"begin_step": lambda: pool.allocate_many(2), "prepare_output": pool.room, "process_output": pool.allocate},
+            {"begin_step": pool.room, "prepare_output": lambda: None, "process_output": pool.allocate},
+        ]
+        for calls in step_calls:
+            for hook, body in calls.items():
+                parts._kept(hook, body)()
+    assert ([dict(vars(owner)) for owner in owners], cache_module.copy_segments_torch) == before
+    steps = parts.steps()
+    assert [step[f"{pool_part} calls"] for step in steps] == [3, 2] and all(step[pool_part] > 0 for step in steps)
+    assert parts.steps() == []  # handed out once
+    assert middle_half([5.0, 1.0, 3.0, 2.0, 4.0, 100.0, 0.0, 6.0]) == [3, 2, 4, 0]
