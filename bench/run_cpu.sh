@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CPU benchmark in one run; results in a new git-ignored folder bench/out/<date>T<time>-<machine>/
 # (or $OUT): a run never touches committed results (copy a run into bench/results/ to commit it).
-#   bash bench/run_cpu.sh           full sizes (~25 min on 2 cores; builds all four environments)
+#   bash bench/run_cpu.sh           full sizes (~45 min on 2 cores, estimated from its parts; builds all four environments)
 #   bash bench/run_cpu.sh --quick   small sizes, a first look (a few minutes; builds only .venv-vllm033,
 #                                   no end-to-end run)
 set -euo pipefail
@@ -33,6 +33,9 @@ for v in 033 034; do
   .venv-vllm$v/bin/python bench/bench_host.py --steps 120 --concurrency 16 64 256 1024 --output-tokens 400 800
   echo "== host work per step by kind of step (16 requests, default trace), vLLM ${v:0:1}.${v:1} =="
   .venv-vllm$v/bin/python bench/bench_host_steps.py --concurrency 16
+  echo "== host work per step against the targets, by part, vLLM ${v:0:1}.${v:1} =="
+  .venv-vllm$v/bin/python bench/host_budget.py
+  .venv-vllm$v/bin/python bench/host_budget.py --output-tokens 400 800
   echo "== CPU KV tier hits taken with exact rows, ours vs vLLM ${v:0:1}.${v:1}'s built-in =="
   .venv-vllm$v/bin/python bench/bench_kv_tier.py --out "$OUT"
 done
