@@ -325,17 +325,40 @@ def trace_suffix(output_tokens) -> str:
     return "" if list(output_tokens) == [24, 96] else "_out{}-{}".format(*output_tokens)
 
 
+def bookkeeping(per_step: list[dict]) -> list[float]:
+    """Per step: all hooks and the connector's threads, thread CPU, without our row copies."""
+    return [sum(step[hook][1] - step[hook][2] for hook in TIMED) for step in per_step]
+
+
+def total_cpu(per_step: list[dict]) -> list[float]:
+    """Per step: all hooks and the connector's threads, thread CPU."""
+    return [sum(step[hook][1] for hook in TIMED) for step in per_step]
+
+
+def parse_replay_arguments(parser: argparse.ArgumentParser, rounds: int) -> argparse.Namespace:
+    """Add the trace and interleaving options of the benchmarks that replay through
+    ``replay_alternating`` (``--steps``, ``--output-tokens``, ``--rounds``), parse, and refuse
+    fewer than two rounds (the first warms up)."""
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
+                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved replays per connector (the first warms up)")
+    args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2 (the first round is a warm-up)")
+    return args
+
+
 def summarize(impl: str, concurrency: int, samples: list[dict]) -> dict:
     """Medians over steps: all hooks and the connector's own threads together (wall: the
     hooks only; CPU; CPU without row copies; CPU of the hooks' thread alone) and per hook."""
     wall = [sum(s[h][0] for h in HOOKS) for s in samples]
-    cpu = [sum(s[h][1] for h in TIMED) for s in samples]
-    bookkeeping = [sum(s[h][1] - s[h][2] for h in TIMED) for s in samples]
+    cpu, host_only = total_cpu(samples), bookkeeping(samples)
     row = {
         "impl": impl, "concurrency": concurrency, "step_samples": len(samples),
         "median_ms": statistics.median(wall) * 1e3, "p90_ms": float(np.percentile(wall, 90)) * 1e3,
         "cpu_median_ms": statistics.median(cpu) * 1e3,
-        "host_only_cpu_median_ms": statistics.median(bookkeeping) * 1e3,
+        "host_only_cpu_median_ms": statistics.median(host_only) * 1e3,
         "hook_thread_cpu_median_ms": statistics.median(sum(s[h][1] for h in HOOKS) for s in samples) * 1e3,
     }
     for hook in TIMED:

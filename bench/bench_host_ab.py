@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_host import HOOKS, record_trace, replay_alternating, same_outputs, trace_suffix  # noqa: E402
+from bench.bench_host import HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_suffix  # noqa: E402
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
 
@@ -57,12 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD", help="git revision to compare with (default: HEAD)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"))
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved replays per connector (the first warms up)")
-    args = parser.parse_args()
-    if args.rounds < 2:
-        parser.error("--rounds must be at least 2 (the first round is a warm-up)")
+    args = parse_replay_arguments(parser, rounds=4)
     with tempfile.TemporaryDirectory() as scratch:
         against = import_revision(args.against, Path(scratch))
 

@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_host import TIMED, builders, record_trace, replay_alternating, trace_suffix  # noqa: E402
+from bench.bench_host import (  # noqa: E402
+    TIMED, bookkeeping, builders, parse_replay_arguments, record_trace, replay_alternating, trace_suffix,
+)
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION  # noqa: E402
 
@@ -56,7 +58,7 @@ def by_kind(kinds: list[str], per_step: list[dict]) -> dict[str, dict[str, float
             continue
         rows[kind] = {
             "steps": kinds.count(kind),
-            "bookkeeping_ms": statistics.median(sum(s[h][1] - s[h][2] for h in TIMED) for s in steps) * 1e3,
+            "bookkeeping_ms": statistics.median(bookkeeping(steps)) * 1e3,
             **{f"{hook}_ms": statistics.median(s[hook][1] - s[hook][2] for s in steps) * 1e3 for hook in TIMED},
         }
     return rows
@@ -66,13 +68,7 @@ def main() -> None:
     torch.set_num_threads(1)  # as bench_host: one intra-op thread, as the engine's worker runs
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
-                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved replays per connector (the first warms up)")
-    args = parser.parse_args()
-    if args.rounds < 2:
-        parser.error("--rounds must be at least 2 (the first round is a warm-up)")
+    args = parse_replay_arguments(parser, rounds=4)
     setup, events, _ = record_trace(args.concurrency, args.steps, output_tokens=tuple(args.output_tokens))
     kinds = step_kinds(events)
     builds = builders()

@@ -7,16 +7,18 @@ what each part of this project's bookkeeping costs, in thread-CPU time per step.
 ``profile_host.py`` times every method, and its timer's cost (a few microseconds a call, a
 hundred calls a step and more) inflates the small ones: shares, not milliseconds. Here a timer
 sits only where a part begins (a hook, the cache's step calls, the page pool, the row copies),
-so it runs a few times per step, per request that starts or finishes and per pool call, and each part is
-charged its self time: the hooks' own Python ("connector"), the cache's request bookkeeping
+so it runs a few times per step, per request that starts or finishes and per pool call, and
+each part is charged its self time: the hooks' own Python ("connector"), the cache's request bookkeeping
 (slots, block hashes, pins, finishes), capture planning, reads of earlier rows, the page pool
 and the row copies (left out of the bookkeeping, as in ``bench_host.py``). The same trace is
 replayed, round by round in alternating order, through vLLM's built-in connector, the output
 contract's floor (``bench_host.OutputContractFloor``) and this project's with and without the
 timers (the first round warms up): the unwrapped replays give the bookkeeping and the ratio,
 the wrapped ones the parts and, by their total against the unwrapped one, what the timers
-themselves cost. Means per step (they add up; ``bench_host.py``
-reports medians). One text file and one CSV per trace go to a new git-ignored folder under
+themselves cost. The bookkeeping and the ratio are medians per step, as in ``bench_host.py``;
+the parts are means (they add up) over the typical steps, those between the quartiles of the
+bookkeeping with the timers (the first steps' prefill and the machine's outliers left out).
+Each part is less the timer's own cost, measured per call. One text file and one CSV per trace go to a new git-ignored folder under
 bench/out/ (or ``$OUT``).
 """
 
@@ -30,7 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_host import BUILTIN, TIMED, OutputContractFloor, builders, record_trace, replay, trace_suffix  # noqa: E402
+from bench.bench_host import (  # noqa: E402
+    BUILTIN, OutputContractFloor, bookkeeping, builders, parse_replay_arguments, record_trace, replay, total_cpu,
+    trace_suffix,
+)
 from bench.common import results_dir, save_csv  # noqa: E402
 from bench.profile_host import SelfTime  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION  # noqa: E402
@@ -54,15 +59,6 @@ PARTS = {  # part -> where it begins: (class, methods); every PagePool method is
 def target_ratio(concurrency: int) -> float:
     """Issue 25's target for bookkeeping / built-in: 0.5 up to 64 requests, 0.25 from 256."""
     return 0.5 if concurrency < 256 else 0.25
-
-
-def bookkeeping(per_step: list[dict]) -> list[float]:
-    """Per step: all hooks and the connector's threads, thread CPU, without our row copies."""
-    return [sum(step[hook][1] - step[hook][2] for hook in TIMED) for step in per_step]
-
-
-def total_cpu(per_step: list[dict]) -> list[float]:
-    return [sum(step[hook][1] for hook in TIMED) for step in per_step]
 
 
 class PartTimers:
@@ -151,8 +147,7 @@ def budget(concurrency: int, steps: int, output_tokens, rounds: int) -> dict:
     """One size: the built-in's CPU and ours (medians, as ``bench_host.py``), and the parts of
     ours over its typical steps (ms per step)."""
     setup, events, _ = record_trace(concurrency, steps, output_tokens=output_tokens)
-    build_ours, build_builtin = builders()[OURS], builders()[BUILTIN]
-    builds = {"builtin": build_builtin, "ours": build_ours, "floor": OutputContractFloor}
+    builds = {"builtin": builders()[BUILTIN], "ours": builders()[OURS], "floor": OutputContractFloor}
     samples = {"builtin": [], "ours": [], "floor": [], "wrapped": []}
     parts, part_steps = PartTimers(), []
     for round_ in range(rounds):
@@ -160,7 +155,7 @@ def budget(concurrency: int, steps: int, output_tokens, rounds: int) -> dict:
         for name in order:
             if name == "wrapped":
                 with parts:
-                    per_step = replay(setup, events, build_ours)["per_step"]
+                    per_step = replay(setup, events, builds["ours"])["per_step"]
                 replayed_parts = parts.steps()
                 part_steps += replayed_parts[: len(per_step)] if round_ else []
             else:
@@ -200,11 +195,11 @@ def report(row: dict) -> str:
         f"parts, means over the {row['typical_steps']} typical steps (between the quartiles of ours with the timers):",
     ]
     lines.append(f"  {'part':56s} {'ms/step':>8s} {'calls':>7s} {'less the timers':>16s}")
-    for part in [*PARTS, COPIES]:
-        if part == COPIES:
-            lines.append(f"  {'sum of the parts':56s} {sum(row[p] for p in PARTS):8.3f} {'':7s} "
-                         f"{sum(row[f'{p} less timers'] for p in PARTS):16.3f}")
-        lines.append(f"  {part:56s} {row[part]:8.3f} {row[f'{part} calls']:7.1f} {row[f'{part} less timers']:16.3f}")
+    part_line = "  {:56s} {:8.3f} {:>7} {:16.3f}".format
+    for part in PARTS:
+        lines.append(part_line(part, row[part], f"{row[f'{part} calls']:.1f}", row[f"{part} less timers"]))
+    lines.append(part_line("sum of the parts", sum(row[p] for p in PARTS), "", sum(row[f"{p} less timers"] for p in PARTS)))
+    lines.append(part_line(COPIES, row[COPIES], f"{row[f'{COPIES} calls']:.1f}", row[f"{COPIES} less timers"]))
     lines.append(f"  (those steps with the timers {row['typical_wrapped_bookkeeping_ms']:.3f} ms; a timed call "
                  f"costs {row['timer_us_per_call']:.2f} us, subtracted per call in the last column)")
     return "\n".join(lines)
@@ -214,13 +209,7 @@ def main() -> None:
     torch.set_num_threads(1)  # as bench_host: one intra-op thread, as the engine's worker runs
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
-                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved replays per connector (the first warms up)")
-    args = parser.parse_args()
-    if args.rounds < 2:
-        parser.error("--rounds must be at least 2 (the first round is a warm-up)")
+    args = parse_replay_arguments(parser, rounds=3)
     rows, texts = [], []
     for concurrency in args.concurrency:
         rows.append(budget(concurrency, args.steps, tuple(args.output_tokens), args.rounds))
