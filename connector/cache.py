@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from .checks import (
-    as_list, check_hashes, check_position, check_request_id, check_row_values, check_rows, checked_hash_lists,
-    fits_dtype, index_array,
+    as_list, check_hashes, check_position, check_request_id, check_request_ids, check_row_values, check_rows,
+    checked_hash_lists, fits_dtype, index_array,
 )
 from ..errors import CacheFullError, InvalidCaptureError, RangeUnavailableError, RoutedExpertsCacheError
 from ..kernels import as_row_words, copy_segments_torch, interpreting, load_triton_copy, precompile_triton_copy
@@ -201,16 +201,13 @@ class RoutedExpertsCache:
         stays valid until its request is finished or the cache reset.
         """
         request_ids = as_list(request_ids, "request ids", RoutedExpertsCacheError)
-        slots = self._slots.lookup(request_ids)
-        for i in (slots < 0).nonzero()[0].tolist():
-            if request_ids[i] not in self._slots.of:  # an id listed twice is registered once
-                self._register(request_ids[i], _Request())
-            slots[i] = self._slots.of[request_ids[i]]
-        return slots
+        check_request_ids(request_ids)
+        return np.array(self.slots_step(request_ids), dtype=np.int64)
 
     def slots_step(self, request_ids: list) -> list[int]:
         """``slots`` for an engine step's new requests, whose ids the caller has checked (vLLM's
-        own request ids, each listed once): no type checks, no arrays; Python per new request."""
+        own request ids): no type checks, no arrays; Python per request. An id listed twice is
+        registered once."""
         of = self._slots.of
         for request_id in request_ids:
             if request_id not in of:
