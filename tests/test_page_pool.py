@@ -113,6 +113,17 @@ def test_a_retained_block_is_demoted_only_when_the_device_is_full_and_comes_back
     assert pool.publish(b"a", 1) and pool.published == {b"a": 1} and list(pool.host_free) == [2]  # recomputed
 
 
+def test_a_block_on_the_host_retained_again_leaves_the_host_eviction_order():
+    pool = published_pool(1, [b"a"], host_pages=1)
+    pool.retain([b"a"])
+    assert pool.allocate() == 0 and pool.published == {b"a": 1}  # demoted to the host page
+    pool.release([b"a"])
+    assert list(pool.host_evictable) == [b"a"]
+    pool.retain([b"a", b"a"])  # the scheduler keeps it again: not evictable, and no device page to demote
+    assert not pool.host_evictable and not pool.demotable and pool.room() == 0
+    assert not pool.problems({0}, Counter({b"a": 2}))
+
+
 def test_a_request_pin_makes_a_retained_block_stay_on_the_device():
     pool = published_pool(1, [b"a"], host_pages=1)
     pool.retain([b"a"])
