@@ -1,7 +1,7 @@
 """Host work per engine step: this checkout's connector against an earlier revision's, A/B.
 
     .venv-vllm033/bin/python bench/bench_host_ab.py --against HEAD~1 [--concurrency 16 64 256 1024]
-        [--output-tokens 24 96] [--rounds 4]
+        [--output-tokens 24 96] [--rounds 4] [--page-pool]
 
 Both connectors replay the same recorded trace (``bench_host.record_trace``) in one process,
 interleaved round by round in alternating order, so that the machine's load falls on both
@@ -10,6 +10,12 @@ alike; the first round of each is a warm-up. The revision's package is taken fro
 median per step of all four hooks' thread-CPU time without the row copies (bench_host's
 "bookkeeping"), and of ``begin_step``; both replays must return the same rows. Results go to a
 new git-ignored folder under bench/out/ (or ``$OUT``).
+
+``--page-pool`` compares the page pool alone, where a change to it is a few percent of a step
+and whole steps cannot resolve it on a shared machine: both replays run this checkout's
+connector and cache, one with the revision's ``PagePool`` (same interface), and the figure is
+the thread-CPU inside the pool's calls (outermost calls only) per step, a replay's mean, the
+median over rounds.
 """
 
 import argparse
@@ -19,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from io import BytesIO
 from pathlib import Path
 
@@ -27,15 +34,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_host import HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_suffix  # noqa: E402
+from bench.bench_host import (  # noqa: E402
+    HOOKS, parse_replay_arguments, record_trace, replay, replay_alternating, same_outputs, trace_suffix,
+)
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
+from routed_experts_cache.connector import cache as cache_module  # noqa: E402
 
 PACKAGE = "routed_experts_cache_against"
 
 
-def import_revision(revision: str, into: Path):
-    """The worker module of ``revision``'s package, imported as ``PACKAGE`` from ``into``."""
+def import_revision(revision: str, into: Path, module: str = "connector.vllm.worker"):
+    """``module`` of ``revision``'s package, imported as ``PACKAGE`` from ``into``."""
     archive = subprocess.run(["git", "archive", revision, "src/routed_experts_cache", "connector", "kernels"],
                              cwd=ROOT, capture_output=True, check=True).stdout
     package = into / PACKAGE
@@ -49,7 +59,66 @@ def import_revision(revision: str, into: Path):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(tar.extractfile(member).read())
     sys.path.insert(0, str(into))
-    return importlib.import_module(f"{PACKAGE}.connector.vllm.worker")
+    return importlib.import_module(f"{PACKAGE}.{module}")
+
+
+class PoolTimer:
+    """Thread-CPU seconds spent in a page pool class's outermost method calls, and the modules
+    of the pool classes that ran them (which pool a replay really used)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._depth, self.modules = 0.0, 0, set()
+
+    def timed(self, pool_class: type) -> type:
+        """A subclass of ``pool_class`` whose methods charge their time here."""
+        def wrap(method):
+            def timed_method(*args, **kwargs):
+                self._depth += 1
+                started = time.thread_time()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+                    if not self._depth:
+                        self.seconds += time.thread_time() - started
+                        self.modules.add(pool_class.__module__)
+            return timed_method
+
+        methods = {name: wrap(value) for name, value in vars(pool_class).items()
+                   if callable(value) and not name.startswith("__")}
+        return type(pool_class.__name__, (pool_class,), methods)
+
+
+def compare_page_pools(args, against_pool: type) -> list[dict]:
+    """Per size: this checkout's connector replayed with each page pool, interleaved."""
+    timer = PoolTimer()
+    pools = {"this checkout": timer.timed(cache_module.PagePool), args.against: timer.timed(against_pool)}
+    rows = []
+    for concurrency in args.concurrency:
+        setup, events, _ = record_trace(concurrency, args.steps, output_tokens=tuple(args.output_tokens))
+        per_replay, outputs, modules = {name: [] for name in pools}, {}, {}
+        try:
+            for round_ in range(args.rounds):
+                for name in (list(pools) if round_ % 2 else list(pools)[::-1]):
+                    cache_module.PagePool, timer.seconds, timer.modules = pools[name], 0.0, set()
+                    result = replay(setup, events, build_our_connector)
+                    outputs[name], modules[name] = result["outputs"], " ".join(sorted(timer.modules))
+                    if round_:
+                        per_replay[name].append(timer.seconds / len(result["per_step"]) * 1e3)
+        finally:
+            cache_module.PagePool = pools["this checkout"].__base__
+        if not same_outputs(*outputs.values()):
+            raise SystemExit(f"{concurrency} requests: the two page pools returned different rows")
+        new, old = (statistics.median(per_replay[name]) for name in pools)
+        rows.append({
+            "vllm": VLLM_VERSION, "concurrency": concurrency, "output_tokens": "-".join(map(str, args.output_tokens)),
+            "against": args.against, "page_pool_ms": new, "against_page_pool_ms": old, "page_pool_ratio": new / old,
+            "replays": len(per_replay["this checkout"]), "page_pool_module": modules["this checkout"],
+            "against_page_pool_module": modules[args.against],
+        })
+        print(f"[{concurrency:>5} requests] page pool {new:.3f} vs {old:.3f} ms per step -> {new / old:.3f}; "
+              f"identical rows", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -57,8 +126,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD", help="git revision to compare with (default: HEAD)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--page-pool", action="store_true", help="time the page pool alone (see above)")
     args = parse_replay_arguments(parser, rounds=4)
     with tempfile.TemporaryDirectory() as scratch:
+        if args.page_pool:
+            rows = compare_page_pools(args, import_revision(args.against, Path(scratch), "connector.page_pool").PagePool)
+            print_table(rows, list(rows[0]))
+            save_csv(rows, f"page_pool_ab_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv", torch.device("cpu"))
+            return
         against = import_revision(args.against, Path(scratch))
 
         def build_against(setup, capturer):

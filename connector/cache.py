@@ -926,7 +926,7 @@ class RoutedExpertsCache:
         ``retained_before`` (retains not applied yet, less their releases) as retained."""
         if hashes:
             retained_before = retained_before or Counter()
-            missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained[h] + retained_before[h] < n]
+            missing = [h.hex() for h, n in Counter(hashes).items() if self._pages.retained.get(h, 0) + retained_before[h] < n]
             if missing:
                 raise RoutedExpertsCacheError(f"release of hashes that were not retained: {missing}")
 
@@ -1314,7 +1314,7 @@ class RoutedExpertsCache:
     def check_consistency(self) -> None:
         """Raise if the page accounting is broken (used by the property tests)."""
         owned = [page for r in self._requests.values() for page in r.own_pages]
-        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + self._pages.retained
+        expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + Counter(self._pages.retained)
         problems = self._pages.problems(set(owned), expected_pins)
         if len(set(owned)) != len(owned):
             problems.append("a page is owned by two requests")

@@ -67,6 +67,25 @@ def test_host_ab_benchmark_compares_with_a_revision(tmp_path):
     assert float(row["bookkeeping_ratio"]) > 0 and float(row["begin_step_ratio"]) > 0
 
 
+def test_host_ab_benchmark_times_the_page_pools_alone(tmp_path):
+    """``--page-pool``: this checkout's connector replays the trace once with each revision's
+    page pool; both pools' calls are timed, each replay's in its own pool's module."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_host_ab.py"), "--against", "HEAD", "--page-pool",
+         "--concurrency", "16", "--steps", "12", "--rounds", "2"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "identical rows" in done.stdout
+    with open(tmp_path / f"page_pool_ab_vllm{VLLM_VERSION}.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert row["against"] == "HEAD" and int(row["replays"]) == 1
+    assert float(row["page_pool_ms"]) > 0 and float(row["against_page_pool_ms"]) > 0
+    assert row["page_pool_module"] == "routed_experts_cache.connector.page_pool"
+    assert row["against_page_pool_module"] == "routed_experts_cache_against.connector.page_pool"
+
+
 def test_steps_are_classified_by_what_their_metadata_starts_and_finishes():
     from types import SimpleNamespace
 
