@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CPU benchmark in one run; results in a new git-ignored folder bench/out/<date>T<time>-<machine>/
 # (or $OUT): a run never touches committed results (copy a run into bench/results/ to commit it).
-#   bash bench/run_cpu.sh           full sizes (~45 min on 2 cores, estimated from its parts; builds all four environments)
+#   bash bench/run_cpu.sh           full sizes (25 min on 2 cores, measured, once all four environments are built; builds them first)
 #   bash bench/run_cpu.sh --quick   small sizes, a first look (a few minutes; builds only .venv-vllm033,
 #                                   no end-to-end run)
 set -euo pipefail
