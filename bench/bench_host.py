@@ -305,11 +305,11 @@ def replay(setup, events, build) -> dict:
     return {"per_step": per_step, "outputs": outputs}
 
 
-def replay_alternating(setup, events, builds: dict, rounds: int) -> tuple[dict[str, list], dict[str, list]]:
+def replay_alternating(setup, events, builds: dict, rounds: int, measured=None) -> tuple[dict[str, list], dict[str, list]]:
     """``replay`` through each of ``builds`` (name -> build) ``rounds`` times, their order
     reversed every other round so that the machine's load falls on all alike; the first round
     warms up. Returns per name the later rounds' steps (concatenated) and its last replay's
-    outputs."""
+    outputs; ``measured(name, result)``, if given, sees each of the later rounds' replays."""
     samples, outputs = {name: [] for name in builds}, {}
     for round_ in range(rounds):
         for name in (list(builds) if round_ % 2 else list(builds)[::-1]):
@@ -317,6 +317,8 @@ def replay_alternating(setup, events, builds: dict, rounds: int) -> tuple[dict[s
             outputs[name] = result["outputs"]
             if round_:
                 samples[name] += result["per_step"]
+                if measured is not None:
+                    measured(name, result)
     return samples, outputs
 
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_host import (  # noqa: E402
-    HOOKS, parse_replay_arguments, record_trace, replay, replay_alternating, same_outputs, trace_suffix,
+    HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_suffix,
 )
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
@@ -91,22 +91,29 @@ class PoolTimer:
 
 def compare_page_pools(args, against_pool: type) -> list[dict]:
     """Per size: this checkout's connector replayed with each page pool, interleaved."""
-    timer = PoolTimer()
-    pools = {"this checkout": timer.timed(cache_module.PagePool), args.against: timer.timed(against_pool)}
+    timer, ours = PoolTimer(), cache_module.PagePool
+    pools = {"this checkout": timer.timed(ours), args.against: timer.timed(against_pool)}
+    per_replay, modules = {}, {}  # per pool, for the size being replayed: ms per step, pool module
+
+    def build_with(pool: type):
+        def build(setup, capturer):
+            cache_module.PagePool, timer.seconds, timer.modules = pool, 0.0, set()
+            return build_our_connector(setup, capturer)
+        return build
+
+    def measured(name: str, result: dict) -> None:
+        per_replay[name].append(timer.seconds / len(result["per_step"]) * 1e3)
+        modules[name] = " ".join(sorted(timer.modules))
+
     rows = []
     for concurrency in args.concurrency:
         setup, events, _ = record_trace(concurrency, args.steps, output_tokens=tuple(args.output_tokens))
-        per_replay, outputs, modules = {name: [] for name in pools}, {}, {}
+        per_replay.update({name: [] for name in pools})
         try:
-            for round_ in range(args.rounds):
-                for name in (list(pools) if round_ % 2 else list(pools)[::-1]):
-                    cache_module.PagePool, timer.seconds, timer.modules = pools[name], 0.0, set()
-                    result = replay(setup, events, build_our_connector)
-                    outputs[name], modules[name] = result["outputs"], " ".join(sorted(timer.modules))
-                    if round_:
-                        per_replay[name].append(timer.seconds / len(result["per_step"]) * 1e3)
+            builds = {name: build_with(pool) for name, pool in pools.items()}
+            _, outputs = replay_alternating(setup, events, builds, args.rounds, measured)
         finally:
-            cache_module.PagePool = pools["this checkout"].__base__
+            cache_module.PagePool = ours
         if not same_outputs(*outputs.values()):
             raise SystemExit(f"{concurrency} requests: the two page pools returned different rows")
         new, old = (statistics.median(per_replay[name]) for name in pools)
