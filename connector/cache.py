@@ -257,7 +257,7 @@ class RoutedExpertsCache:
             new_pages = -(-ends // size) + (-starts // size)  # blocks begun past the cursor
             batch = (slots[pick], starts, source_starts[pick], counts[pick], new_pages)
         if plans or batch is not None:
-            self._write(plans, num_new_pages, self._source_words(source), batch)
+            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids)
 
     def capture_step(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
                      source_starts: np.ndarray, counts: np.ndarray) -> None:
@@ -310,7 +310,7 @@ class RoutedExpertsCache:
             size = self.page_size  # new pages: the blocks begun past the cursor
             batch = (slots, starts, source_starts, counts, [-(-end // size) + (-start // size) for start, end in zip(starts, ends)])
         if plans or batch is not None:
-            self._write(plans, num_new_pages, self._source_words(source), batch)
+            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids)
 
     def _capture_planned(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
                          source_starts: np.ndarray, counts: np.ndarray, first: np.ndarray) -> None:
@@ -332,7 +332,7 @@ class RoutedExpertsCache:
             new_pages = -(-ends // self.page_size) + (-starts // self.page_size)  # blocks begun past the cursor
             batch = (slots, starts, source_starts, counts, new_pages)
         if plans or batch is not None:
-            self._write(plans, num_new_pages, self._source_words(source), batch)
+            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids)
 
     def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: list,
                                   source_starts: list, counts: list, ends) -> bool:
@@ -391,12 +391,13 @@ class RoutedExpertsCache:
                 f"{self.device} ({self.dtype}): {error}"
             ) from error
 
-    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch=None) -> None:
+    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch, call_ids: list) -> None:
         """Copy the planned rows into their pages, then commit the bookkeeping.
 
-        ``plans`` come from ``_plan_captures``; ``batch`` holds continuing spans
+        ``plans`` come from ``_plan_captures``; ``batch`` (or None) holds continuing spans
         ``(slots, starts, source_starts, counts, new_pages)``, arrays (slots always) or, up to
-        ``SMALL_BATCH`` spans, lists. Nothing is changed before the
+        ``SMALL_BATCH`` spans, lists; ``call_ids`` are the call's request ids, in its order
+        (which request publishes a block that two of them complete). Nothing is changed before the
         copy: its target pages are chosen by looking ahead at the pages the allocation below
         will take (free ones first, then the oldest evictable, including pages that first
         captures of this call stop pinning), planned spans first, then the batch.
@@ -438,7 +439,13 @@ class RoutedExpertsCache:
         if batch is not None:
             ends = list(map(add, batch[1], batch[3])) if type(batch[1]) is list else batch[1] + batch[3]
             self._commit_batch(batch[0], ends, pages[num_new_pages:], table_slots, table_blocks)
-        self._settle([request for _, request, *_ in plans] + (self._settling(completed) if batch is not None else []))
+        planned = [request for _, request, *_ in plans]
+        if batch is None:
+            self._settle(planned)
+        elif not planned:
+            self._settle(self._settling(completed))
+        else:
+            self._settle_listed(planned, self._settling(completed), call_ids)
         self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
     def _demote(self, demotions: list[tuple[int, int]]) -> None:
@@ -1013,6 +1020,27 @@ class RoutedExpertsCache:
         for request in requests:
             if request.first_block is not None:
                 self._take_settling(request, hashes, pages)
+        if hashes:
+            self._pages.publish_many(hashes, pages)
+
+    def _settle_listed(self, planned: list[_Request], continuing: list[_Request], call_ids: list) -> None:
+        """``_settle`` of one call's planned and continuing requests. Where a planned request and
+        a continuing one complete the same block, the one the call lists first publishes it and
+        the other keeps a duplicate, as in ``_settle`` (requests in call order); else the planned
+        ones go first, which changes nothing else and saves ordering the call's requests."""
+        requests, hashes, pages, ends = planned + continuing, [], [], []
+        for request in requests:
+            if request.first_block is not None:
+                self._take_settling(request, hashes, pages)
+            ends.append(len(hashes))
+        split = ends[len(planned) - 1]
+        if 0 < split < len(hashes) and not set(hashes[:split]).isdisjoint(hashes[split:]):
+            first_listed = {}
+            for position, request_id in enumerate(call_ids):
+                first_listed.setdefault(request_id, position)
+            ids, starts = self._slots.ids, [0, *ends[:-1]]
+            order = sorted(range(len(requests)), key=lambda j: first_listed[ids[requests[j].slot]])
+            hashes, pages = ([value for j in order for value in values[starts[j] : ends[j]]] for values in (hashes, pages))
         if hashes:
             self._pages.publish_many(hashes, pages)
 

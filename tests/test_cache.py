@@ -20,6 +20,7 @@ from routed_experts_cache import (
     RoutedExpertsCache,
     RoutedExpertsCacheError,
 )
+from routed_experts_cache.connector import batch_size
 from routed_experts_cache.connector import cache as cache_module
 from routed_experts_cache.connector.cache import SMALL_COPY_ROWS
 
@@ -629,6 +630,42 @@ def test_duplicate_publication_keeps_first_writer_and_frees_copy_on_finish(make_
     assert_rows(cache.read("c", 0, 5), u8(torch.cat([rows_a, rows_c])))
     cache.finish("c")
     assert states(cache) == dict(free=7, tail=0, pending=0, duplicate=0, published=1, evictable=1)
+    assert_accounting(cache)
+
+
+@pytest.mark.parametrize("call", ["capture_batch", "capture_step", "capture_step_arrays"])
+@pytest.mark.parametrize("listed_first", ["a", "b"])
+def test_a_block_two_requests_complete_in_one_call_is_published_by_the_first_listed(
+    make_cache, gen, monkeypatch, call, listed_first
+):
+    """"a" continues its rows and "b" captures for the first time (planned span by span, apart
+    from the continuing spans), and both complete block 0 in one call: the request the call
+    lists first publishes it, the other keeps a duplicate, whichever kind of span it is."""
+    if call == "capture_step_arrays":
+        monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)  # the array path of capture_step
+    cache = make_cache(8)
+    rows = {"a": rand_rows(gen, 4), "b": rand_rows(gen, 4)}
+    assert not torch.equal(rows["a"], rows["b"])
+    cache.capture("a", 0, rows["a"][:2])
+    cache.add_block_hashes("a", [h("p", 0)])  # its own block: published once full
+    cache.add_block_hashes("b", [h("p", 0)])  # pinned until its first capture computes the block
+    spans = {"a": (2, rows["a"][2:]), "b": (0, rows["b"])}  # start, rows
+    ids = [listed_first, "b" if listed_first == "a" else "a"]
+    source = torch.cat([spans[request_id][1] for request_id in ids])
+    starts = np.array([spans[request_id][0] for request_id in ids], dtype=np.int64)
+    counts = np.array([len(spans[request_id][1]) for request_id in ids], dtype=np.int64)
+    source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    if call == "capture_batch":
+        cache.capture_batch(source, ids, starts, source_starts, counts)
+    else:
+        cache.capture_step(source, ids, cache.slots(ids), starts, source_starts, counts)
+    assert states(cache, "duplicate", "published", "evictable") == dict(duplicate=1, published=1, evictable=0)
+    cache.add_block_hashes("c", [h("p", 0)])
+    assert_rows(cache.read("c", 0, 4), u8(rows[listed_first]))  # the index: the first listed's page
+    for request_id in ("a", "b"):
+        assert_rows(cache.read(request_id, 0, 4), u8(rows[request_id]))  # each reads its own rows
+    cache.finish(ids[1])  # the duplicate is freed, the published page stays pinned by the others
+    assert states(cache, "duplicate", "published", "evictable") == dict(duplicate=0, published=1, evictable=0)
     assert_accounting(cache)
 
 
@@ -1405,7 +1442,6 @@ def test_steps_with_arrivals_above_the_small_batch_equal_the_general_path(make_c
     fewer array passes of ``_segments_within_pages``. The pool it leaves (rows, page states,
     published blocks, counters) equals the one the page-run split leaves, and every request
     reads back its rows, with free pages to spare and with evictions."""
-    from routed_experts_cache.connector import batch_size
 
     n, page_size, row_shape, arrivals, num_steps = batch_size.SMALL_BATCH + 16, 4, (3, 2), 3, 7
     leaving = n // 4  # the last quarter finishes after step 3
@@ -1481,7 +1517,6 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
     (rows, page states, block tables, published blocks) equals the general path's (``_write``,
     spans split at page boundaries); where free pages run short, it declines, changing nothing,
     and the general path evicts as before."""
-    from routed_experts_cache.connector import batch_size
 
     n, page_size, row_shape = 2 * batch_size.SMALL_BATCH, 4, (3, 2)
     rng = np.random.default_rng(7)
