@@ -4,7 +4,9 @@ tiny models with their Hugging Face reference.
 The core tests run on CPU by default: Triton kernels then run on CPU tensors under the
 interpreter, which must be switched on before any Triton kernel module is imported (hence the
 environment variable at import time). ``ROUTED_EXPERTS_TEST_DEVICE=cuda`` runs the same tests
-on a GPU with compiled kernels (``bench/run_gpu.sh`` does).
+on a GPU with compiled kernels (``bench/run_gpu.sh`` does). ``ROUTED_EXPERTS_SOAK=k`` runs the
+state machines at random instead of deterministically, with k times their examples
+(``scripts/soak.sh``).
 """
 
 import os
@@ -22,6 +24,21 @@ from routed_experts_cache import RoutedExpertsCache  # noqa: E402
 if not ON_CPU and not torch.cuda.is_available():
     raise RuntimeError(f"ROUTED_EXPERTS_TEST_DEVICE={TEST_DEVICE!r} but CUDA is not available")
 
+
+def soak_scale() -> float:
+    """``ROUTED_EXPERTS_SOAK`` as a positive number (0: unset, the deterministic runs)."""
+    value = os.environ.get("ROUTED_EXPERTS_SOAK", "")
+    try:
+        scale = float(value) if value else 0.0
+    except ValueError:
+        scale = -1.0
+    if not 0 <= scale < float("inf"):  # negative, unparsable, infinite or NaN
+        raise RuntimeError(f"ROUTED_EXPERTS_SOAK must be a positive number of times the examples, got {value!r}")
+    return scale
+
+
+SOAK = soak_scale()
+
 def rows_differing_from(rows, expected):
     """Positions whose routed experts (any order within a row) differ from Hugging Face's sorted ids."""
     import numpy as np
@@ -32,15 +49,19 @@ def rows_differing_from(rows, expected):
 def run_state_machine(machine, budget: dict) -> None:
     """Run a Hypothesis state machine deterministically (no database, one shrunk failure) on one
     intra-op thread: every tensor is tiny, and thread wake-ups cost ~ms per op on a loaded
-    2-core machine (results do not depend on the thread count)."""
+    2-core machine (results do not depend on the thread count). Under ``ROUTED_EXPERTS_SOAK``
+    the run is random, ``SOAK`` times as long, and a failure prints the ``@reproduce_failure``
+    line that replays it."""
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
+    if SOAK:
+        budget = {**budget, "max_examples": max(1, round(budget["max_examples"] * SOAK))}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         run_state_machine_as_test(machine, settings=settings(
-            deadline=None, derandomize=True, database=None, print_blob=False,
+            deadline=None, derandomize=not SOAK, database=None, print_blob=bool(SOAK),
             report_multiple_bugs=False,  # shrink one failure only (stateful shrinking is slow)
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
             **budget,

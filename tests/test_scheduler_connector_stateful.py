@@ -13,15 +13,14 @@ from collections import Counter, deque
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
+from conftest import run_state_machine
 from connector_rows import PAGE, ROW, FixedCapturer, input_batch, pack_hashes, row_of
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
@@ -204,10 +203,7 @@ class ConnectorMachine(RuleBasedStateMachine):
 
 
 def test_connector_against_the_model():
-    run_state_machine_as_test(ConnectorMachine, settings=settings(
-        max_examples=300, stateful_step_count=60, deadline=None, derandomize=True, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    ))
+    run_state_machine(ConnectorMachine, dict(max_examples=300, stateful_step_count=60))
     # The runs must have exercised what this test claims to check.
     for what in ("reattached", "rejected_rows", "finished_in_flight", "delivered_rows", "materialized",
                  "generations", "retained"):
@@ -220,9 +216,6 @@ def test_connector_against_the_model_on_the_array_paths(monkeypatch):
     otherwise leave to the plain Python ones."""
     monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
     COVERAGE.clear()
-    run_state_machine_as_test(ConnectorMachine, settings=settings(
-        max_examples=150, stateful_step_count=60, deadline=None, derandomize=True, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    ))
+    run_state_machine(ConnectorMachine, dict(max_examples=150, stateful_step_count=60))
     for what in ("reattached", "rejected_rows", "finished_in_flight", "delivered_rows", "materialized"):
         assert COVERAGE[what] > 0, (what, dict(COVERAGE))
