@@ -992,10 +992,13 @@ class RoutedExpertsCache:
         except Exception:
             self._pages.discard(victims)
             raise
-        for i in new:
-            block_hash = hashes[i]
-            self._pages.publish(block_hash, self._pages.allocate())
-            self._pages.unpin([block_hash])  # no publisher holds it: readers pin it by hash
+        # Every page is taken before any block is published: an imported block is unpinned, so
+        # evictable, and an allocation after it would take its page instead of the one the copy
+        # wrote (with a host tier, a block demoted in the look-ahead above would stay published
+        # on a page that now holds imported rows).
+        for i, page in zip(new, self._pages.allocate_many(len(new))):
+            self._pages.publish(hashes[i], page)
+            self._pages.unpin([hashes[i]])  # no publisher holds it: readers pin it by hash
         self._counters["imported_rows"] += len(new) * size
         return len(new)
 

@@ -63,6 +63,29 @@ def test_a_request_pin_keeps_a_block_on_the_device_and_the_oldest_retained_block
     assert_accounting(cache)
 
 
+def test_an_import_that_demotes_a_retained_block_publishes_every_block_on_the_page_it_wrote(make_cache, gen):
+    """A full device pool imports two blocks: one takes the free page, the other the page of a
+    retained block, which moves to the host first. Each imported block must be published on the
+    page its rows were copied to and the retained one on the host; before, the first imported
+    block (unpinned, so evictable) was evicted for the second, and the retained block stayed
+    published on a device page that now held imported rows: a wrong read, found by
+    ``scripts/soak.sh``."""
+    cache = make_cache(3, page_size=2, host_pages=1)
+    rows_a = finished_and_retained(cache, gen, "a", 1, page_size=2)
+    rows_b = rand_rows(gen, 1)
+    cache.capture("b", 0, rows_b)  # a live request's tail page: one page left free
+    imported = rand_rows(gen, 4)
+    assert cache.import_blocks([h("z", 0), h("z", 1)], imported) == 2
+    cache.add_block_hashes("c", [h("a", 0)])
+    assert_rows(cache.read("c", 0, 2), u8(rows_a))  # from the host
+    stats = cache.stats()
+    assert (stats["demoted"], stats["demotions"], stats["evictions"], stats["free"]) == (1, 1, 0, 0)
+    cache.add_block_hashes("d", [h("z", 0), h("z", 1)])
+    assert_rows(cache.read("d", 0, 4), u8(imported))
+    assert_rows(cache.read("b", 0, 1), u8(rows_b))
+    assert_accounting(cache)
+
+
 def test_released_host_blocks_are_evicted_when_the_host_needs_room_and_then_fail_closed(make_cache, gen):
     cache = make_cache(2, host_pages=2)
     rows_a = finished_and_retained(cache, gen, "a", 2)
