@@ -495,11 +495,22 @@ class RoutedExpertsCache:
         return seeds
 
     def _copy_seeds(self, seeds: list[tuple[int, int, int]]) -> None:
-        """Seed copies: from device pages with one launch, from host pages one block each (rare)."""
+        """Seed copies: from device pages with one launch, from host pages one block each (rare).
+
+        A seed's new page may be the published page another seed copies from (a first capture of
+        this call released that block, and the allocation reuses its page): then the seeded rows
+        are gathered first and written with a second launch, since the segments of one launch run
+        at once on a GPU."""
         size, on_device = self.page_size, [seed for seed in seeds if not self._pages.on_host(seed[1])]
         if on_device:
             lengths, sources, targets = (np.array(column) for column in zip(*on_device))
-            self._copy_on_device(self._pool_words, self._pool_words, lengths, sources * size, targets * size)
+            if np.isin(targets, sources).any():
+                offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                seeded = self._copy_view(torch.empty((int(lengths.sum()), *self.row_shape), dtype=self.dtype, device=self.device))
+                self._copy_on_device(self._pool_words, seeded, lengths, sources * size, offsets)
+                self._copy_on_device(seeded, self._pool_words, lengths, offsets, targets * size)
+            else:
+                self._copy_on_device(self._pool_words, self._pool_words, lengths, sources * size, targets * size)
         for length, source, target in seeds:
             if self._pages.on_host(source):
                 self.pages[target, :length] = self.host_arena[source - self.num_pages, :length].to(self.device)

@@ -7,9 +7,10 @@ Every test runs on both copy backends (the ``backend`` fixture) and again under 
 
 import pytest
 import torch
-from test_cache import assert_accounting, assert_rows, assert_unavailable, h, rand_rows, u8
+from test_cache import assert_accounting, assert_rows, assert_unavailable, h, rand_rows, states, u8
 
 from routed_experts_cache import CacheFullError, RoutedExpertsCacheError
+from routed_experts_cache.connector import cache as cache_module
 
 
 def finished_and_retained(cache, gen, tag, num_blocks, page_size=4):
@@ -83,6 +84,48 @@ def test_an_import_that_demotes_a_retained_block_publishes_every_block_on_the_pa
     cache.add_block_hashes("d", [h("z", 0), h("z", 1)])
     assert_rows(cache.read("d", 0, 4), u8(imported))
     assert_rows(cache.read("b", 0, 1), u8(rows_b))
+    assert_accounting(cache)
+
+
+def copy_segment_by_segment(source, target, seg_start, seg_source_row, seg_target_row, total_rows):
+    """The copy kernel's programs (one per segment when compiled) one after another, in segment
+    order: on a GPU they run at once, and one may finish before another starts. (The
+    interpreter and the torch backend read every segment before writing any.)"""
+    bounds, sources, targets = seg_start.tolist(), seg_source_row.tolist(), seg_target_row.tolist()
+    for first, end, source_row, target_row in zip(bounds, bounds[1:], sources, targets):
+        target[target_row : target_row + end - first] = source[source_row : source_row + end - first].clone()
+
+
+@pytest.mark.parametrize("by_row", [True, False], ids=["copies_by_row", "copies_segment_by_segment"])
+def test_seeds_read_their_blocks_before_another_seed_overwrites_them(make_cache, gen, monkeypatch, by_row):
+    """Two whole-prompt hits in one call: "y"'s first capture releases its seed block, whose page
+    the allocation gives to "x"'s seed, so one seed copies onto the page another seed copies
+    from. Every seed must read its rows before any is written, whatever order the copy's
+    segments run in."""
+    cache = make_cache(3, host_pages=2)
+    if not by_row:
+        monkeypatch.setattr(cache_module, "SMALL_COPY_ROWS", 0)  # every copy through the segment copy
+        monkeypatch.setattr(cache, "_copy", copy_segment_by_segment)
+    rows = {tag: rand_rows(gen, 4) for tag in ("x", "y", "r")}
+    for tag in ("x", "y"):
+        cache.capture(f"p{tag}", 0, rows[tag])
+        cache.add_block_hashes(f"p{tag}", [h(tag, 0)])
+        cache.finish(f"p{tag}")
+    finished_and_retained_rows = rows["r"]
+    cache.add_block_hashes("pr", [h("r", 0)])
+    cache.capture("pr", 0, finished_and_retained_rows)
+    cache.finish("pr")
+    cache.retain([h("r", 0)])  # demotable: the host tier gives the second new page
+    cache.add_block_hashes("keep", [h("x", 0)])  # x's block stays pinned: not released by x
+    cache.add_block_hashes("x", [h("x", 0)])
+    cache.add_block_hashes("y", [h("y", 0)])
+    assert states(cache, "free", "evictable") == dict(free=0, evictable=0)
+    new_rows = rand_rows(gen, 2)
+    cache.capture_batch(new_rows, ["x", "y"], [2, 3], [0, 1], [1, 1])  # seeds of 2 and 3 rows
+    assert_rows(cache.read("x", 0, 3), u8(torch.cat([rows["x"][:2], new_rows[:1]])))
+    assert_rows(cache.read("y", 0, 4), u8(torch.cat([rows["y"][:3], new_rows[1:]])))
+    cache.add_block_hashes("c", [h("r", 0)])
+    assert_rows(cache.read("c", 0, 4), u8(rows["r"]))
     assert_accounting(cache)
 
 
