@@ -6,7 +6,8 @@ share prefixes and prefix hits are common), takes prefix hits on published block
 hits included: the first capture then starts inside the last block), captures chunks, extends
 requests as decoding does, reads single intervals and batches, finishes requests and retains
 their blocks (as vLLM's scheduler does), releases retained blocks, imports blocks (as a decode
-instance does with a prefill's rows) and resets. The device pool is 3-6 pages, so retained
+instance does with a prefill's rows), rolls requests back (within their rows or into their
+prefix hits) and resets. The device pool is 3-6 pages, so retained
 blocks are demoted to the host, read from there, seeded from there and evicted there all the
 time. Checked after every rule, without modelling which page holds what:
 
@@ -34,9 +35,11 @@ from routed_experts_cache import CacheFullError, RoutedExpertsCache
 
 ROW_SHAPE = (2, 2)
 MAX_LIVE = 3
+# The same for both backends (seconds each): with smaller ones the deterministic runs missed host
+# evictions or seeds from the host once roll-backs joined the rules.
 BUDGETS = {
-    "torch": dict(max_examples=60, stateful_step_count=100),
-    "triton": dict(max_examples=15, stateful_step_count=80),
+    "torch": dict(max_examples=100, stateful_step_count=100),
+    "triton": dict(max_examples=100, stateful_step_count=100),
 }
 
 
@@ -59,6 +62,7 @@ class Request:
     def __init__(self, tokens: tuple, page_size: int):
         self.tokens, self.page_size = tokens, page_size
         self.cursor = 0
+        self.first_start = 0  # where its first capture began (a prefix hit's end)
         self.num_hashes = 0
 
     def full_hashes(self) -> list[bytes]:
@@ -131,7 +135,7 @@ class HostTierMachine(RuleBasedStateMachine):
         hit = 0
         while hit < len(hashes) and self.cache.is_published(hashes[hit]):
             hit += 1
-        request.cursor = min(hit * size, len(tokens) - 1)  # a whole-prompt hit recomputes the last token
+        request.cursor = request.first_start = min(hit * size, len(tokens) - 1)  # a whole-prompt hit recomputes the last token
         if hit * size == len(tokens):
             self.COUNTS["whole_prompt_hits"] += 1
         elif hit:
@@ -176,6 +180,30 @@ class HostTierMachine(RuleBasedStateMachine):
             assert torch.equal(rows.cpu(), rows_of(self.live[rid].tokens, start, end)), f"{rid} [{start}, {end})"
         if self.cache.stats()["host_read_rows"] > host_reads:
             self.COUNTS["reads_from_host"] += 1
+
+    @precondition(lambda self: self.steps % 4 == 2 and any(r.cursor for r in self.live.values()))  # now and then
+    @rule(data=st.data())
+    def rewind(self, data):
+        """vLLM rolls a request back (its KV failed to load) and it recomputes from there: within
+        its own rows, or back into its prefix hit on a block boundary. Skipped where a block it
+        may have published is retained or read by another live request: those lose it (fail
+        closed, test_cache.py), which this machine's reads and retention check do not model."""
+        rid = data.draw(st.sampled_from(sorted(r for r, q in self.live.items() if q.cursor)))
+        request, size = self.live[rid], self.page_size
+        own_start = request.first_start // size * size
+        if own_start and data.draw(st.booleans()):
+            position = data.draw(st.integers(0, own_start // size)) * size
+        else:
+            position = data.draw(st.integers(own_start, request.cursor))
+        dropped = set(request.full_hashes()[max(position, own_start) // size : request.cursor // size])
+        read_by_others = {h for other, q in self.live.items() if other != rid for h in q.full_hashes()[: q.first_start // size]}
+        if dropped & (read_by_others | set(self.retained)):
+            return
+        self.cache.rewind(rid, position)
+        request.cursor = position
+        request.first_start = min(request.first_start, position)
+        self.COUNTS["rewinds"] += 1
+        self.COUNTS["rewinds_into_prefix"] += position < own_start
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), retain=st.booleans())
@@ -250,5 +278,5 @@ def test_the_host_tier_under_random_traffic(backend):
     run_state_machine(machine, BUDGETS[backend])
     print(f"\n[{backend}] " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if not k.startswith("_")))
     for what in ("demotions", "reads_from_host", "seeds_from_host", "whole_prompt_hits", "prefix_hits",
-                 "cache_full", "imports", "releases", "host_evictions", "resets"):
+                 "cache_full", "imports", "releases", "host_evictions", "resets", "rewinds", "rewinds_into_prefix"):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"
