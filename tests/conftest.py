@@ -70,6 +70,22 @@ def run_state_machine(machine, budget: dict) -> None:
         torch.set_num_threads(threads)
 
 
+def copy_one_segment_at_a_time(reverse: bool = False):
+    """A segment copy (``copy_segments_torch``'s arguments) that runs the kernel's programs (one
+    per segment when compiled) one after another, in segment order or reversed. On a GPU they
+    run at once, and one may finish before another starts; the interpreter and the torch copy
+    read every segment before writing any, so only this order shows a copy whose segments write
+    rows that others of the same launch read."""
+
+    def copy(source, target, seg_start, seg_source_row, seg_target_row, total_rows):
+        bounds, sources, targets = seg_start.tolist(), seg_source_row.tolist(), seg_target_row.tolist()
+        segments = list(zip(bounds, bounds[1:], sources, targets))
+        for first, end, source_row, target_row in reversed(segments) if reverse else segments:
+            target[target_row : target_row + end - first] = source[source_row : source_row + end - first].clone()
+
+    return copy
+
+
 @pytest.fixture(params=["torch", "triton"])
 def backend(request) -> str:
     """The cache's copy backend; 'triton' runs under the interpreter on CPU."""

@@ -7,6 +7,7 @@ Every test runs on both copy backends (the ``backend`` fixture) and again under 
 
 import pytest
 import torch
+from conftest import copy_one_segment_at_a_time
 from test_cache import assert_accounting, assert_rows, assert_unavailable, h, rand_rows, states, u8
 
 from routed_experts_cache import CacheFullError, RoutedExpertsCacheError
@@ -87,15 +88,6 @@ def test_an_import_that_demotes_a_retained_block_publishes_every_block_on_the_pa
     assert_accounting(cache)
 
 
-def copy_segment_by_segment(source, target, seg_start, seg_source_row, seg_target_row, total_rows):
-    """The copy kernel's programs (one per segment when compiled) one after another, in segment
-    order: on a GPU they run at once, and one may finish before another starts. (The
-    interpreter and the torch backend read every segment before writing any.)"""
-    bounds, sources, targets = seg_start.tolist(), seg_source_row.tolist(), seg_target_row.tolist()
-    for first, end, source_row, target_row in zip(bounds, bounds[1:], sources, targets):
-        target[target_row : target_row + end - first] = source[source_row : source_row + end - first].clone()
-
-
 @pytest.mark.parametrize("by_row", [True, False], ids=["copies_by_row", "copies_segment_by_segment"])
 def test_seeds_read_their_blocks_before_another_seed_overwrites_them(make_cache, gen, monkeypatch, by_row):
     """Two whole-prompt hits in one call: "y"'s first capture releases its seed block, whose page
@@ -105,7 +97,7 @@ def test_seeds_read_their_blocks_before_another_seed_overwrites_them(make_cache,
     cache = make_cache(3, host_pages=2)
     if not by_row:
         monkeypatch.setattr(cache_module, "SMALL_COPY_ROWS", 0)  # every copy through the segment copy
-        monkeypatch.setattr(cache, "_copy", copy_segment_by_segment)
+        monkeypatch.setattr(cache, "_copy", copy_one_segment_at_a_time())
     rows = {tag: rand_rows(gen, 4) for tag in ("x", "y", "r")}
     for tag in ("x", "y"):
         cache.capture(f"p{tag}", 0, rows[tag])
