@@ -349,26 +349,34 @@ class CacheMachine(RuleBasedStateMachine):
             suffix = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=12), label="suffix")
             tokens = tuple(1000 * (family + 1) + i for i in range(plen)) + tuple(suffix)
             prompt_len = data.draw(st.integers(1, len(tokens)), label="prompt_len")
+            if prompt_len >= self.ps and data.draw(st.booleans(), label="prompt_of_whole_blocks"):
+                prompt_len -= prompt_len % self.ps  # all of it can be a prefix hit
         r = ModelRequest(rid, tokens, prompt_len, 0, self.ps, self.row_shape, self.dtype)
         for b, h in enumerate(r.hashes):
             self.hash_rows.setdefault(h, r.rows[b * self.ps : (b + 1) * self.ps].to(self.dtype))
 
-        # a KV prefix hit: only on blocks whose hashes the hasher has from the prompt, that are
-        # published now, and never the whole prompt (the engine recomputes at least one token)
+        # a KV prefix hit: only on blocks whose hashes the hasher has from the prompt and that are
+        # published now. A hit on the whole prompt recomputes its last token: the first capture
+        # starts inside the last block, whose own page begins as a copy of the published one.
         hit = 0
         while (
             hit < len(r.hashes)
             and (hit + 1) * self.ps + self.lookahead <= prompt_len
-            and (hit + 1) * self.ps < prompt_len
             and r.hashes[hit] in self.index
         ):
             hit += 1
-        k = data.draw(st.integers(0, hit), label="hit_blocks")
-        r.start = k * self.ps
+        if hit and hit * self.ps == prompt_len and data.draw(st.booleans(), label="whole_prompt"):
+            k = hit  # as often as the other hits together: few prompts allow it
+        else:
+            k = data.draw(st.integers(0, hit), label="hit_blocks")
+        whole_prompt = k * self.ps == prompt_len
+        r.start = prompt_len - 1 if whole_prompt else k * self.ps
         self.live[rid] = r
         prompt_avail = sum(1 for b in range(len(r.hashes)) if (b + 1) * self.ps + self.lookahead <= prompt_len)
         top = prompt_avail if self.prompt_hashes_early else k
-        if k and data.draw(st.integers(0, 3), label="hit_hashes_late") == 0:
+        if whole_prompt:
+            self._count("whole_prompt_hits")
+        if k and not whole_prompt and data.draw(st.integers(0, 3), label="hit_hashes_late") == 0:
             # some of the hit's hashes reach the cache after its first capture: until they
             # arrive those blocks are unreadable and unpinned (they may even be evicted meanwhile)
             given = k - 1 - data.draw(st.integers(0, k - 1), label="missing")
@@ -484,8 +492,8 @@ class CacheMachine(RuleBasedStateMachine):
         and cache must agree."""
         sim_cursor = {}
         need = 0
-        for r, start, n in items:
-            cursor = sim_cursor.get(r.rid, r.cursor if r.first_block is not None else start)
+        for r, start, n in items:  # a first capture's block begins at the block's start (seeded, or the capture's)
+            cursor = sim_cursor.get(r.rid, r.cursor if r.first_block is not None else start - start % self.ps)
             need += blocks_touched(cursor, start + n, self.ps)
             sim_cursor[r.rid] = start + n
         # a first capture stops pinning the hashes of the blocks it computes itself
@@ -557,7 +565,7 @@ class CacheMachine(RuleBasedStateMachine):
             if r.first_block is None:
                 r.first_block = start // self.ps
                 self.counters["prefix_hit_rows"] += start
-            r.own.extend([None] * blocks_touched(r.cursor if r.own else start, start + n, self.ps))
+            r.own.extend([None] * blocks_touched(r.cursor if r.own else start - start % self.ps, start + n, self.ps))
             r.cursor = start + n
             r.registered = True
             self.counters["captured_rows"] += n
@@ -644,8 +652,8 @@ class CacheMachine(RuleBasedStateMachine):
         if r.first_block is None:
             start = r.start + data.draw(st.integers(1, self.ps - 1), label="offset")
             block = start // self.ps
-            if block < r.given and r.hashes[block] in self.index:
-                return
+            if start % self.ps == 0 or block < r.given and r.hashes[block] in self.index:
+                return  # a boundary after a whole-prompt hit's start, or inside a published block: valid
         else:
             start = r.cursor + data.draw(st.sampled_from([-1, 1, self.ps]), label="offset")
         n = data.draw(st.integers(1, 3), label="n")
@@ -892,7 +900,8 @@ def test_cache_against_the_model(backend, monkeypatch):
         "prefix_attaches", "late_hit_hashes", "restarts", "preemptions", "duplicate_blocks", "evictions",
         "cache_full", "batched_captures", "reads_ok", "reads_unavailable", "retains", "releases", "resets",
         "hash_deliveries", "invalid_captures", "bad_releases", "replaced_blocks", "first_capture_unpins",
-        "rewinds", "step_captures", *(["rewinds_into_prefix"] if backend == "torch" else []),  # rarer: the larger budget
+        "rewinds", "step_captures",
+        *(["rewinds_into_prefix", "whole_prompt_hits"] if backend == "torch" else []),  # rarer: the larger budget
     ):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"
 
