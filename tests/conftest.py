@@ -5,8 +5,9 @@ The core tests run on CPU by default: Triton kernels then run on CPU tensors und
 interpreter, which must be switched on before any Triton kernel module is imported (hence the
 environment variable at import time). ``ROUTED_EXPERTS_TEST_DEVICE=cuda`` runs the same tests
 on a GPU with compiled kernels (``bench/run_gpu.sh`` does). ``ROUTED_EXPERTS_SOAK=k`` runs the
-state machines at random instead of deterministically, with k times their examples
-(``scripts/soak.sh``).
+state machines at random instead of deterministically, with k times their examples, and
+``ROUTED_EXPERTS_SEGMENT_ORDER`` runs the torch backend's copies one segment at a time
+(``scripts/soak.sh`` sets both).
 """
 
 import os
@@ -38,6 +39,9 @@ def soak_scale() -> float:
 
 
 SOAK = soak_scale()
+SEGMENT_ORDER = os.environ.get("ROUTED_EXPERTS_SEGMENT_ORDER", "")
+if SEGMENT_ORDER not in ("", "in_order", "reversed"):
+    raise RuntimeError(f"ROUTED_EXPERTS_SEGMENT_ORDER must be in_order or reversed, got {SEGMENT_ORDER!r}")
 
 def rows_differing_from(rows, expected):
     """Positions whose routed experts (any order within a row) differ from Hugging Face's sorted ids."""
@@ -84,6 +88,17 @@ def copy_one_segment_at_a_time(reverse: bool = False):
             target[target_row : target_row + end - first] = source[source_row : source_row + end - first].clone()
 
     return copy
+
+
+@pytest.fixture(autouse=True)
+def segment_order(monkeypatch):
+    """Under ``ROUTED_EXPERTS_SEGMENT_ORDER`` (``scripts/soak.sh``), every copy of the torch
+    backend goes through ``copy_one_segment_at_a_time`` in that order, row copies included."""
+    if SEGMENT_ORDER:
+        from routed_experts_cache.connector import cache as cache_module
+
+        monkeypatch.setattr(cache_module, "SMALL_COPY_ROWS", 0)
+        monkeypatch.setattr(cache_module, "copy_segments_torch", copy_one_segment_at_a_time(SEGMENT_ORDER == "reversed"))
 
 
 @pytest.fixture(params=["torch", "triton"])
