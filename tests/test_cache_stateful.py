@@ -461,9 +461,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- captures
 
+    def _can_capture(self, r: ModelRequest) -> bool:
+        """False for a whole-prompt hit whose seed block lost its rows before its first capture (a
+        roll-back of the request that published it): the cache refuses that capture
+        (test_cache.py), and the engine would recompute the request from scratch."""
+        return r.first_block is not None or not r.start % self.ps or r.hashes[r.start // self.ps] in self.index
+
     def _capture_items(self, data, max_requests):
         """[(request, start, count)] in a valid order (a request may be split in two spans)."""
-        capturable = [rid for rid, r in self.live.items() if r.next_start < len(r.tokens)]
+        capturable = [rid for rid, r in self.live.items() if r.next_start < len(r.tokens) and self._can_capture(r)]
         if not capturable:
             return []
         chosen = data.draw(
@@ -614,7 +620,9 @@ class CacheMachine(RuleBasedStateMachine):
         """A request runs to its end (chunk after chunk, hashes as they become available) and
         mostly finishes: the volume that fills the pool with published, evictable pages."""
         self._count("steps")
-        r = self._pick_live(data)
+        r = self._pick_live(data, self._can_capture)
+        if r is None:
+            return
         while r.next_start < len(r.tokens):
             n = data.draw(st.integers(1, min(2 * self.ps, len(r.tokens) - r.next_start)), label="count")
             if not self._apply_captures(data, [(r, r.next_start, n)]):
