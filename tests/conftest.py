@@ -43,6 +43,7 @@ SEGMENT_ORDER = os.environ.get("ROUTED_EXPERTS_SEGMENT_ORDER", "")
 if SEGMENT_ORDER not in ("", "in_order", "reversed"):
     raise RuntimeError(f"ROUTED_EXPERTS_SEGMENT_ORDER must be in_order or reversed, got {SEGMENT_ORDER!r}")
 
+
 def rows_differing_from(rows, expected):
     """Positions whose routed experts (any order within a row) differ from Hugging Face's sorted ids."""
     import numpy as np

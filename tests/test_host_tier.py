@@ -98,16 +98,12 @@ def test_seeds_read_their_blocks_before_another_seed_overwrites_them(make_cache,
     if not by_row:
         monkeypatch.setattr(cache_module, "SMALL_COPY_ROWS", 0)  # every copy through the segment copy
         monkeypatch.setattr(cache, "_copy", copy_one_segment_at_a_time())
-    rows = {tag: rand_rows(gen, 4) for tag in ("x", "y", "r")}
+    rows = {tag: rand_rows(gen, 4) for tag in ("x", "y")}
     for tag in ("x", "y"):
         cache.capture(f"p{tag}", 0, rows[tag])
         cache.add_block_hashes(f"p{tag}", [h(tag, 0)])
         cache.finish(f"p{tag}")
-    finished_and_retained_rows = rows["r"]
-    cache.add_block_hashes("pr", [h("r", 0)])
-    cache.capture("pr", 0, finished_and_retained_rows)
-    cache.finish("pr")
-    cache.retain([h("r", 0)])  # demotable: the host tier gives the second new page
+    rows["r"] = finished_and_retained(cache, gen, "r", 1)  # demotable: the host tier gives the second new page
     cache.add_block_hashes("keep", [h("x", 0)])  # x's block stays pinned: not released by x
     cache.add_block_hashes("x", [h("x", 0)])
     cache.add_block_hashes("y", [h("y", 0)])
