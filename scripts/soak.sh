@@ -29,5 +29,8 @@ for order in in_order reversed; do
 done
 soak .venv-vllm033 tests/test_scheduler_connector_stateful.py
 soak .venv-vllm034 tests/test_scheduler_connector_stateful.py
+# The connector's machine too, its copies one segment at a time (one release: the copies do not
+# depend on it).
+ROUTED_EXPERTS_SEGMENT_ORDER=reversed soak .venv-vllm034 tests/test_scheduler_connector_stateful.py
 if [[ $status -eq 0 ]]; then echo "[soak] passed ($SECONDS s)"; else echo "[soak] FAILED ($SECONDS s)" >&2; fi
 exit $status
