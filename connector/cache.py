@@ -37,7 +37,6 @@ do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segmen
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, compress, islice, repeat
-from math import prod
 from operator import add, eq, not_, sub
 
 import numpy as np
@@ -161,10 +160,6 @@ class RoutedExpertsCache:
     @property
     def num_pages(self) -> int:
         return self.pages.shape[0]
-
-    @property
-    def row_nbytes(self) -> int:
-        return prod(self.row_shape) * self.pages.element_size()
 
     def _clear(self) -> None:
         self._pages = PagePool(self.num_pages, self.host_arena.shape[0])  # pins: requests' hashes and retained ones

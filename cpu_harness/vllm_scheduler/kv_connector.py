@@ -261,10 +261,6 @@ class StubKVConnector(KVConnectorBase_V1):
         self.stats["finished_recving"] += len(connector_output.finished_recving or ())
         self.stats["invalid_blocks_reported"] += len(connector_output.invalid_block_ids or ())
 
-    @property
-    def store_size(self) -> int:
-        return len(self._store)
-
     # -------------------------------------------------------------- worker side
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -325,10 +321,6 @@ class StubKVConnector(KVConnectorBase_V1):
         """Loads completed since the last call (the simulated model runner applies them to its KV)."""
         results, self._results = self._results, []
         return results
-
-    @property
-    def loads_in_flight(self) -> int:
-        return len(self._in_flight)
 
     @property
     def loads_started(self) -> bool:
