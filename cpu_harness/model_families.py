@@ -14,8 +14,9 @@ prefix hit could ever happen.
 
 ``qwen3_next_mtp``: the same model with its multi-token-prediction module (``mtp.*``, one
 full-attention MoE layer), drafting one token per step (``speculative_config`` method ``mtp``).
-Transformers does not build that module: the checkpoint gets one whose decoder layer is a copy
-of the last layer's weights and whose ``fc`` is random, so most drafts are rejected.
+Transformers does not build that module, and a random one's drafts are nearly all rejected, so
+the whole model is built to count up (``successor``) and its drafter with it: drafts are
+accepted, and steps emit the rows of two tokens per request.
 
 ``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
 8 experts, top-2, float32: two KV cache groups of 32-token blocks.
@@ -57,21 +58,41 @@ def build_tiny_qwen3_next(path, seed: int = 0) -> Path:
                              dtype=torch.bfloat16)
 
 
+def successor(tokens: torch.Tensor) -> torch.Tensor:
+    """The token ``build_tiny_qwen3_next_mtp``'s model predicts after each of ``tokens``: the
+    next id, wrapping from the last id to 2 (ids 0 and 1 are the tokenizer's specials)."""
+    return (tokens - 1) % (VOCAB_SIZE - 2) + 2
+
+
 def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
-    """``build_tiny_qwen3_next`` plus an MTP module (vLLM's ``qwen3_next_mtp`` weight names):
-    the last layer's weights as its decoder layer, the final norm's as its norms, a random
-    ``fc``; ``num_nextn_predict_layers`` 1 in the config."""
+    """``build_tiny_qwen3_next`` plus an MTP module (vLLM's ``qwen3_next_mtp`` weight names),
+    built so that its drafts are accepted: the model predicts ``successor(token)`` and so does
+    the drafter, one token further on.
+
+    Embeddings of unit scale dominate the residual stream (the random layers add a small part
+    that still depends on the context), and the output head maps each token's embedding to its
+    successor's logit, so greedy decoding counts up with a wide margin while the routers still
+    route on the token and its context. The MTP module's ``fc`` passes the next token's
+    normalized embedding on (the main model's hidden state is dropped); its decoder layer is a
+    copy of the last layer and its norms the final norm's, so it predicts the successor of
+    the next token: the target's own choice one step ahead. ``num_nextn_predict_layers`` is 1."""
     from safetensors.torch import load_file, save_file
 
     path = build_tiny_qwen3_next(path, seed)
     (checkpoint,) = path.glob("*.safetensors")
     weights = load_file(checkpoint)
     config = json.loads((path / "config.json").read_text())
-    last = f"model.layers.{config['num_hidden_layers'] - 1}."
-    mtp = {"mtp.layers.0." + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
     hidden = config["hidden_size"]
     generator = torch.Generator().manual_seed(seed + 1)
-    mtp["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=generator) * 0.05).to(torch.bfloat16)
+    embeddings = torch.randn(VOCAB_SIZE, hidden, generator=generator)
+    weights["model.embed_tokens.weight"] = embeddings.to(torch.bfloat16)
+    head = torch.zeros_like(embeddings)  # the specials' rows: never predicted
+    words = torch.arange(2, VOCAB_SIZE)
+    head[successor(words)] = embeddings[words] / hidden**0.5  # row successor(t) reads token t
+    weights["lm_head.weight"] = head.to(torch.bfloat16)
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    mtp = {"mtp.layers.0." + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
+    mtp["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
     for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
         mtp[f"mtp.{norm}.weight"] = weights["model.norm.weight"].clone()
     save_file(weights | mtp, checkpoint, metadata={"format": "pt"})
