@@ -15,8 +15,8 @@ prefix hit could ever happen.
 ``qwen3_next_mtp``: the same model with its multi-token-prediction module (``mtp.*``, one
 full-attention MoE layer), drafting one token per step (``speculative_config`` method ``mtp``).
 Transformers does not build that module, and a random one's drafts are nearly all rejected, so
-the whole model is built to count up (``successor``) and its drafter with it: drafts are
-accepted, and steps emit the rows of two tokens per request.
+the model's output head counts up (``successor``) and its drafter with it: most drafts are
+accepted, and most steps emit the rows of two tokens per request.
 
 ``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
 8 experts, top-2, float32: two KV cache groups of 32-token blocks.
@@ -69,13 +69,14 @@ def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
     built so that its drafts are accepted: the model predicts ``successor(token)`` and so does
     the drafter, one token further on.
 
-    Embeddings of unit scale dominate the residual stream (the random layers add a small part
-    that still depends on the context), and the output head maps each token's embedding to its
-    successor's logit, so greedy decoding counts up with a wide margin while the routers still
-    route on the token and its context. The MTP module's ``fc`` passes the next token's
-    normalized embedding on (the main model's hidden state is dropped); its decoder layer is a
-    copy of the last layer and its norms the final norm's, so it predicts the successor of
-    the next token: the target's own choice one step ahead. ``num_nextn_predict_layers`` is 1."""
+    Only the output head changes: each row ``successor(t)`` is token ``t``'s embedding (unit
+    length), so greedy decoding counts up wherever the token outweighs its context in the last
+    hidden state (measured in float32: 299 of 300 positions), and the routing (embeddings,
+    layers, routers) is the random model's. The MTP module's ``fc`` passes the next token's
+    normalized embedding on (the main model's hidden state is dropped), which outweighs what its
+    layer (a copy of the last one) adds, and its norms are the final norm's: it predicts the
+    successor of the next token, the target's own choice one step ahead, nearly always.
+    ``num_nextn_predict_layers`` is 1."""
     from safetensors.torch import load_file, save_file
 
     path = build_tiny_qwen3_next(path, seed)
@@ -83,12 +84,10 @@ def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
     weights = load_file(checkpoint)
     config = json.loads((path / "config.json").read_text())
     hidden = config["hidden_size"]
-    generator = torch.Generator().manual_seed(seed + 1)
-    embeddings = torch.randn(VOCAB_SIZE, hidden, generator=generator)
-    weights["model.embed_tokens.weight"] = embeddings.to(torch.bfloat16)
+    embeddings = weights["model.embed_tokens.weight"].float()
     head = torch.zeros_like(embeddings)  # the specials' rows: never predicted
     words = torch.arange(2, VOCAB_SIZE)
-    head[successor(words)] = embeddings[words] / hidden**0.5  # row successor(t) reads token t
+    head[successor(words)] = torch.nn.functional.normalize(embeddings[words], dim=-1)  # row successor(t) reads t
     weights["lm_head.weight"] = head.to(torch.bfloat16)
     last = f"model.layers.{config['num_hidden_layers'] - 1}."
     mtp = {"mtp.layers.0." + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}

