@@ -75,6 +75,16 @@ def connector_stats(llm) -> dict:
     return per_rank[0] | {"ranks": [{"class": r["class"], "pool": "num_pages" in (r["stats"] or {})} for r in per_rank]}
 
 
+def draft_counts(llm) -> dict:
+    """Speculative decoding's counters (``vllm:spec_decode_num_drafts``, ``..._draft_tokens``,
+    ``..._accepted_tokens``); empty unless the engine was made with ``disable_log_stats=False``
+    (vLLM 0.32's ``LLMEngine.get_metrics`` asserts that stats are on)."""
+    if not llm.llm_engine.log_stats:
+        return {}
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_") and isinstance(getattr(m, "value", None), int)}
+
+
 def hf_routed_experts(model, token_ids) -> np.ndarray:
     """Top-k expert ids per token and layer from transformers: ``[n, layers, k]``, sorted."""
     import torch

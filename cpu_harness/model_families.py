@@ -15,7 +15,7 @@ prefix hit could ever happen.
 ``qwen3_next_mtp``: the same model with its multi-token-prediction module (``mtp.*``, one
 full-attention MoE layer), drafting one token per step (``speculative_config`` method ``mtp``).
 Transformers does not build that module, and a random one's drafts are nearly all rejected, so
-the model's output head counts up (``successor``) and its drafter with it: most drafts are
+the model's output head counts up (``tiny_moe.counting_head``) and its drafter with it: most drafts are
 accepted, and most steps emit the rows of two tokens per request.
 
 ``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
@@ -38,8 +38,9 @@ from .tiny_moe import VOCAB_SIZE, save_random_model
 QWEN3_NEXT_BLOCK = 128  # what vLLM derives for the sizes below (checked by the family test)
 
 
-def build_tiny_qwen3_next(path, seed: int = 0) -> Path:
-    """Write a random Qwen3-Next checkpoint (bfloat16) plus tokenizer into ``path``; return it."""
+def build_tiny_qwen3_next(path, seed: int = 0, counting: bool = False) -> Path:
+    """Write a random Qwen3-Next checkpoint (bfloat16; with ``counting``, a ``counting_head``)
+    plus tokenizer into ``path``; return it."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     path = Path(path)
@@ -55,40 +56,27 @@ def build_tiny_qwen3_next(path, seed: int = 0) -> Path:
     )
     # bf16 kernels still flip some near-ties of the spread routers.
     return save_random_model(Qwen3NextForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.gate,
-                             dtype=torch.bfloat16)
-
-
-def successor(tokens: torch.Tensor) -> torch.Tensor:
-    """The token ``build_tiny_qwen3_next_mtp``'s model predicts after each of ``tokens``: the
-    next id, wrapping from the last id to 2 (ids 0 and 1 are the tokenizer's specials)."""
-    return (tokens - 1) % (VOCAB_SIZE - 2) + 2
+                             dtype=torch.bfloat16, counting=counting)
 
 
 def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
     """``build_tiny_qwen3_next`` plus an MTP module (vLLM's ``qwen3_next_mtp`` weight names),
-    built so that its drafts are accepted: the model predicts ``successor(token)`` and so does
-    the drafter, one token further on.
+    built so that most of its drafts are accepted: the model counts up and so does the drafter,
+    one token further on.
 
-    Only the output head changes: each row ``successor(t)`` is token ``t``'s embedding (unit
-    length), so greedy decoding counts up wherever the token outweighs its context in the last
-    hidden state (measured in float32: 299 of 300 positions), and the routing (embeddings,
-    layers, routers) is the random model's. The MTP module's ``fc`` passes the next token's
-    normalized embedding on (the main model's hidden state is dropped), which outweighs what its
-    layer (a copy of the last one) adds, and its norms are the final norm's: it predicts the
-    successor of the next token, the target's own choice one step ahead, nearly always.
-    ``num_nextn_predict_layers`` is 1."""
+    The model is ``build_tiny_qwen3_next``'s with a ``counting_head``: greedy decoding counts up
+    (299 of 300 positions in float32), and the routing is the random model's. The MTP module's
+    ``fc`` passes the next token's normalized embedding on (the main model's hidden state is
+    dropped), which outweighs what its layer (a copy of the last one) adds, and its norms are
+    the final norm's: it predicts the successor of the next token, the target's own choice one
+    step ahead, nearly always. ``num_nextn_predict_layers`` is 1."""
     from safetensors.torch import load_file, save_file
 
-    path = build_tiny_qwen3_next(path, seed)
+    path = build_tiny_qwen3_next(path, seed, counting=True)
     (checkpoint,) = path.glob("*.safetensors")
     weights = load_file(checkpoint)
     config = json.loads((path / "config.json").read_text())
     hidden = config["hidden_size"]
-    embeddings = weights["model.embed_tokens.weight"].float()
-    head = torch.zeros_like(embeddings)  # the specials' rows: never predicted
-    words = torch.arange(2, VOCAB_SIZE)
-    head[successor(words)] = torch.nn.functional.normalize(embeddings[words], dim=-1)  # row successor(t) reads t
-    weights["lm_head.weight"] = head.to(torch.bfloat16)
     last = f"model.layers.{config['num_hidden_layers'] - 1}."
     mtp = {"mtp.layers.0." + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
     mtp["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
@@ -154,16 +142,13 @@ FAMILIES = {
 
 
 def run(family: str, model_dir) -> dict:
-    from .engine import connector_stats, make_llm
+    from .engine import connector_stats, draft_counts, make_llm
 
     llm = make_llm(model_dir, max_num_seqs=4, **FAMILIES[family])
     requests = conversations(llm)
     llm.generate([{"prompt_token_ids": [2, 3]}], None)  # delivers pending finish events
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
-    drafts = {}  # speculative decoding's counters (vllm:spec_decode_num_drafts, ..._accepted_tokens), with stats on
-    if not FAMILIES[family].get("disable_log_stats", True):
-        drafts = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
-                  and isinstance(getattr(m, "value", None), int)}
+    drafts = draft_counts(llm)
     return {"requests": requests, "connector": connector_stats(llm), "block_size": block_size, "drafts": drafts}
 
 

