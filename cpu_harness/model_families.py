@@ -13,10 +13,11 @@ with prefix caching); smaller attention heads give a block longer than any promp
 prefix hit could ever happen.
 
 ``qwen3_next_mtp``: the same model with its multi-token-prediction module (``mtp.*``, one
-full-attention MoE layer), drafting one token per step (``speculative_config`` method ``mtp``).
-Transformers does not build that module, and a random one's drafts are nearly all rejected, so
-the model's output head counts up (``tiny_moe.counting_head``) and its drafter with it: most drafts are
-accepted, and most steps emit the rows of two tokens per request.
+full-attention MoE layer, run twice a step for two draft tokens; ``speculative_config`` method
+``mtp``). Transformers does not build that module, and a random one's drafts are nearly all
+rejected, so the model's output head counts up (``tiny_moe.counting_head``) and its drafter
+with it: most drafts are accepted, and most steps emit the rows of two or three tokens per
+request.
 
 ``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
 8 experts, top-2, float32: two KV cache groups of 32-token blocks.
@@ -65,7 +66,7 @@ def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
     one token further on.
 
     The model is ``build_tiny_qwen3_next``'s with a ``counting_head``: greedy decoding counts up
-    (299 of 300 positions in float32), and the routing is the random model's. The MTP module's
+    (see there), and the routing is the random model's. The MTP module's
     ``fc`` passes the next token's normalized embedding on (the main model's hidden state is
     dropped), which outweighs what its layer (a copy of the last one) adds, and its norms are
     the final norm's: it predicts the successor of the next token, the target's own choice one
@@ -136,7 +137,7 @@ def conversations(llm) -> list[dict]:
 FAMILIES = {
     "qwen3_next": {"dtype": "bfloat16", "block_size": None},  # vLLM derives the hybrid block
     "qwen3_next_mtp": {"dtype": "bfloat16", "block_size": None, "disable_log_stats": False,  # stats: drafts counted
-                       "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+                       "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     "gpt_oss": {},
 }
 

@@ -64,10 +64,11 @@ def counting_head(embeddings: torch.Tensor, steps: int = 1) -> torch.Tensor:
     of unit length (the specials' rows are zero: never predicted).
 
     A random model given this head counts up under greedy decoding wherever the current token
-    outweighs its context in the last hidden state (98-99% of positions for the tiny models
-    here, in float32), so speculative drafters built to count too (``build_tiny_eagle3_draft``,
-    ``model_families.build_tiny_qwen3_next_mtp``) get most of their drafts accepted, while the
-    routing (embeddings, layers, routers) stays the random model's."""
+    outweighs its context in the last hidden state (299 of 300 positions of random tokens,
+    float32, for the tiny Qwen3-MoE and Qwen3-Next here), so speculative drafters built to
+    count too (``build_tiny_eagle3_draft``, ``model_families.build_tiny_qwen3_next_mtp``) get
+    most of their drafts accepted, while the routing (embeddings, layers, routers) stays the
+    random model's."""
     head = torch.zeros_like(embeddings, dtype=torch.float32)
     words = torch.arange(2, VOCAB_SIZE)
     targets = words
