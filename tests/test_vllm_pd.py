@@ -72,6 +72,28 @@ def test_a_decode_without_the_prefills_rows_fails_closed(pd_run):
     assert "RangeUnavailableError" in error and "is unavailable; available:" in error
 
 
+def test_with_eagle3_drafts_on_the_decode_rows_cover_the_whole_sequence_equal_to_hugging_face(
+    model_dirs, hf_reference, tmp_path
+):
+    """Both roles with the EAGLE3 draft (the prefill writes the draft layer's KV too): the
+    decode accepts and rejects drafts (the tiny model counts up, the draft with it), and its
+    rows over the whole sequence, prompt from the prefill, still equal Hugging Face's."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(10, 200, size=n)] for n in PROMPT_LENGTHS]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    for role, *extra in (("prefill",), ("decode", "--max-tokens", "16")):
+        done = run_role(model_dirs[0], tmp_path, role, "--draft", str(model_dirs[1]), *extra)
+        assert done.returncode == 0, done.stderr[-4000:]
+    drafts = json.loads((tmp_path / "drafts.json").read_text())
+    assert 0 < drafts["vllm:spec_decode_num_accepted_tokens"] < drafts["vllm:spec_decode_num_draft_tokens"]
+    for prompt, result in zip(prompts, json.loads((tmp_path / "decode.json").read_text())):
+        tokens, rows = result["tokens"], np.array(result["rows"], dtype=np.uint8)
+        assert tokens[: len(prompt)] == prompt and len(tokens) == len(prompt) + 16
+        assert rows.shape == (len(tokens) - 1, 2, 2) and result["num_cached_tokens"] > 0
+        mismatched = rows_differing_from(rows, hf_reference(tokens)[: len(tokens) - 1])
+        assert mismatched.size == 0, f"prompt of {len(prompt)}: rows {mismatched[:10]} differ"
+
+
 # The same split over HTTP: two OpenAI servers sharing KV through the ExampleConnector, and the
 # minimal proxy of examples/pd_proxy.py in front of them (it forwards kv_transfer_params unchanged).
 
