@@ -115,6 +115,8 @@ SCENARIOS = {
     "eagle3": (shared_prefix, {"disable_log_stats": False, "speculative_config": {
         "method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
     "preemption": (crowded, {"num_gpu_blocks_override": 9, "max_model_len": 256}),
+    "preemption_eagle3": (crowded, {"num_gpu_blocks_override": 9, "max_model_len": 256, "disable_log_stats": False,
+                                    "speculative_config": {"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
     "abort": (abort, {}),
     "prompt_start": (prompt_start, {}),
     # Two workers in spawned processes (vLLM's multiprocessing executor, gloo).

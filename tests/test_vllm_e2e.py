@@ -81,13 +81,14 @@ def test_scenarios_exercise_what_they_claim(runs):
     plugin = runs["plugin"]
     for name in ("multiturn", "chunked_prefill", "eagle3", "prompt_start"):
         assert plugin[name]["connector"]["stats"]["prefix_hit_rows"] > 0, name
-    assert plugin["preemption"]["preemptions"] > 0 and runs["builtin"]["preemption"]["preemptions"] > 0
+    for name in ("preemption", "preemption_eagle3"):
+        assert plugin[name]["preemptions"] > 0 and runs["builtin"][name]["preemptions"] > 0, name
     starts = {r["prompt_start"] for r in plugin["prompt_start"]["requests"]}
     assert {0, 10, 33, 69} <= starts
     assert len(plugin["abort"]["requests"]) == 3  # two survivors and the later prefix-sharing request
     # The tiny model counts up and so do the drafts it is given (tiny_moe.counting_head): steps
     # accept drafts, so they return several tokens' rows per request, and reject some.
-    for name in ("ngram", "eagle3"):
+    for name in ("ngram", "eagle3", "preemption_eagle3"):
         drafts = plugin[name]["drafts"]
         assert 0 < drafts["vllm:spec_decode_num_accepted_tokens"] < drafts["vllm:spec_decode_num_draft_tokens"], name
         assert drafts == runs["builtin"][name]["drafts"], name
