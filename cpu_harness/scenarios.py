@@ -121,6 +121,8 @@ SCENARIOS = {
     "prompt_start": (prompt_start, {}),
     # Two workers in spawned processes (vLLM's multiprocessing executor, gloo).
     "tensor_parallel": (multiturn, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
+    "tensor_parallel_eagle3": (multiturn, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "disable_log_stats": False,
+                                           "speculative_config": {"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
 }
 
 
@@ -132,7 +134,7 @@ def _one_core_per_rank(ranks: int) -> str:
 
 
 # Environment a scenario's engine needs.
-SCENARIO_ENV = {"tensor_parallel": {"VLLM_CPU_OMP_THREADS_BIND": _one_core_per_rank(2)}}
+SCENARIO_ENV = {name: {"VLLM_CPU_OMP_THREADS_BIND": _one_core_per_rank(2)} for name in ("tensor_parallel", "tensor_parallel_eagle3")}
 
 
 def _count_preemptions():

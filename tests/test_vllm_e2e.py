@@ -88,7 +88,7 @@ def test_scenarios_exercise_what_they_claim(runs):
     assert len(plugin["abort"]["requests"]) == 3  # two survivors and the later prefix-sharing request
     # The tiny model counts up and so do the drafts it is given (tiny_moe.counting_head): steps
     # accept drafts, so they return several tokens' rows per request, and reject some.
-    for name in ("ngram", "eagle3", "preemption_eagle3"):
+    for name in ("ngram", "eagle3", "preemption_eagle3", "tensor_parallel_eagle3"):
         drafts = plugin[name]["drafts"]
         assert 0 < drafts["vllm:spec_decode_num_accepted_tokens"] < drafts["vllm:spec_decode_num_draft_tokens"], name
         assert drafts == runs["builtin"][name]["drafts"], name
@@ -102,9 +102,10 @@ def test_worker_logs_that_it_is_active_or_off(runs):
     assert "routed-experts-cache: off" not in runs["plugin"]["log"]
 
 
-def test_tensor_parallel_workers_all_run_the_plugin_and_only_the_first_keeps_rows(runs):
-    plugin, builtin = runs["plugin"]["tensor_parallel"]["connector"], runs["builtin"]["tensor_parallel"]["connector"]
+@pytest.mark.parametrize("scenario", ["tensor_parallel", "tensor_parallel_eagle3"])
+def test_tensor_parallel_workers_all_run_the_plugin_and_only_the_first_keeps_rows(runs, scenario):
+    plugin, builtin = runs["plugin"][scenario]["connector"], runs["builtin"][scenario]["connector"]
     assert plugin["ranks"] == [{"class": "CacheWorkerConnector", "pool": True}, {"class": "CacheWorkerConnector", "pool": False}]
     assert [r["class"] for r in builtin["ranks"]] == ["AuxOutputWorkerConnector"] * 2
     assert "routed-experts-cache: active on tensor-parallel rank 1 of 2, without a pool" in runs["plugin"]["log"]
-    assert runs["plugin"]["tensor_parallel"]["connector"]["stats"]["prefix_hit_rows"] > 0
+    assert plugin["stats"]["prefix_hit_rows"] > 0
