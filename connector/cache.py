@@ -255,7 +255,7 @@ class RoutedExpertsCache:
             self._write(plans, num_new_pages, self._source_words(source), batch, request_ids)
 
     def capture_step(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
-                     source_starts: np.ndarray, counts: np.ndarray) -> None:
+                     source_starts: np.ndarray, counts: np.ndarray, order: Iterable | None = None) -> None:
         """``capture_batch`` for an engine step whose invariants the caller has established.
 
         The worker connector derives these from vLLM's batch arrays and its own state, and
@@ -266,28 +266,34 @@ class RoutedExpertsCache:
         inside ``source`` (``counts >= 0``); a request that has captured before continues at its
         cursor. Checked here as in ``capture_batch``: first captures (one
         by one: a start inside a block needs that block published), ``max_position``, room.
+
+        ``order``: the request ids in the order the engine registers their blocks (vLLM: its
+        scheduling order, which its input batch need not follow). Where spans of this call
+        complete the same block, the first request in that order publishes it, as the engine
+        serves later hits from that request's block; the others keep reading their own copy
+        (their own forward's rows). Default: the call's order.
         """
         if len(slots) <= batch_size.SMALL_BATCH:
             lists = (values.tolist() for values in (starts, source_starts, counts))
-            self.capture_step_small(source, request_ids, slots, *lists, (starts + counts).tolist())
+            self.capture_step_small(source, request_ids, slots, *lists, (starts + counts).tolist(), order)
             return
         first = (self._slots.first_block[slots] < 0).nonzero()[0]
-        if len(first) or not self._capture_within_pages(source, slots, starts, source_starts, counts):
-            self._capture_planned(source, request_ids, slots, starts, source_starts, counts, first)
+        if len(first) or not self._capture_within_pages(source, slots, starts, source_starts, counts, order):
+            self._capture_planned(source, request_ids, slots, starts, source_starts, counts, first, order)
 
     def capture_step_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
-                           source_starts: list, counts: list, ends: list) -> None:
+                           source_starts: list, counts: list, ends: list, order: Iterable | None = None) -> None:
         """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for up
         to ``SMALL_BATCH`` requests: the connector's small-batch commit builds them in one Python
         pass, and a step of continuing spans whose new blocks take free pages needs no array of
         them. Any other step (first captures, new blocks on evicted pages) goes through
         ``_write``, the spans still lists."""
         first = (self._slots.first_block[slots] < 0).nonzero()[0].tolist()
-        if first or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends):
-            self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first)
+        if first or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends, order):
+            self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first, order)
 
     def _capture_planned_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
-                               source_starts: list, counts: list, ends: list, first: list) -> None:
+                               source_starts: list, counts: list, ends: list, first: list, order) -> None:
         """``_capture_planned`` with the spans as lists: the continuing ones reach ``_write`` as
         lists too (its small-batch splitting takes lists), no array is built of them."""
         if ends and max(ends) > self.max_position:
@@ -305,10 +311,10 @@ class RoutedExpertsCache:
             size = self.page_size  # new pages: the blocks begun past the cursor
             batch = (slots, starts, source_starts, counts, [-(-end // size) + (-start // size) for start, end in zip(starts, ends)])
         if plans or batch is not None:
-            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids)
+            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids if order is None else order)
 
     def _capture_planned(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: np.ndarray,
-                         source_starts: np.ndarray, counts: np.ndarray, first: np.ndarray) -> None:
+                         source_starts: np.ndarray, counts: np.ndarray, first: np.ndarray, order) -> None:
         """``capture_step`` through ``_write``: first captures (``first``: their indices) planned
         one by one, the continuing spans as arrays, with the look-ahead at evictions."""
         ends = starts + counts
@@ -327,10 +333,10 @@ class RoutedExpertsCache:
             new_pages = -(-ends // self.page_size) + (-starts // self.page_size)  # blocks begun past the cursor
             batch = (slots, starts, source_starts, counts, new_pages)
         if plans or batch is not None:
-            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids)
+            self._write(plans, num_new_pages, self._source_words(source), batch, request_ids if order is None else order)
 
     def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: list,
-                                  source_starts: list, counts: list, ends) -> bool:
+                                  source_starts: list, counts: list, ends, order) -> bool:
         """``capture_step``'s common case without ``_write``'s look-ahead layers: a few
         continuing spans (lists; no first captures) whose new blocks all take free pages (the
         first ones, in span order). Returns False, changing nothing, where it does not apply (a
@@ -339,11 +345,11 @@ class RoutedExpertsCache:
             slots.tolist(), starts, source_starts, counts, self._pages.free, self.max_position)
         if segments is None:
             return False
-        self._write_on_free_pages(source, slots, ends, sum(counts), segments)
+        self._write_on_free_pages(source, slots, ends, sum(counts), segments, order)
         return True
 
     def _capture_within_pages(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
-                              source_starts: np.ndarray, counts: np.ndarray) -> bool:
+                              source_starts: np.ndarray, counts: np.ndarray, order) -> bool:
         """``capture_step``'s decode case above ``SMALL_BATCH``, without ``_write``'s look-ahead
         layers: continuing spans of at most a page each (a decode step's row and its speculative
         ones) whose new pages are all free ones, planned by ``_segments_within_pages``. Returns
@@ -353,10 +359,10 @@ class RoutedExpertsCache:
         segments = self._segments_within_pages((slots, starts, source_starts, counts, None), self._pages.free)
         if segments is None:
             return False
-        self._write_on_free_pages(source, slots, starts + counts, int(counts.sum()), segments)
+        self._write_on_free_pages(source, slots, starts + counts, int(counts.sum()), segments, order)
         return True
 
-    def _write_on_free_pages(self, source: torch.Tensor, slots: np.ndarray, ends, num_rows: int, segments) -> None:
+    def _write_on_free_pages(self, source: torch.Tensor, slots: np.ndarray, ends, num_rows: int, segments, order) -> None:
         """Copy and commit continuing spans (``num_rows`` rows, the requests of ``slots`` now
         captured up to ``ends``) whose ``segments`` were planned on the first free pages (the
         pages the allocation below takes, in that order), then settle their blocks."""
@@ -364,7 +370,7 @@ class RoutedExpertsCache:
         if len(lengths):
             self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
         self._commit_batch(slots, ends, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
-        self._settle(self._settling(completed))
+        self._settle(self._settling(completed), order)
         self._counters["captured_rows"] += num_rows
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
@@ -386,16 +392,16 @@ class RoutedExpertsCache:
                 f"{self.device} ({self.dtype}): {error}"
             ) from error
 
-    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch, call_ids: list) -> None:
+    def _write(self, plans: list[tuple], num_new_pages: int, source_words: torch.Tensor, batch, order) -> None:
         """Copy the planned rows into their pages, then commit the bookkeeping.
 
         ``plans`` come from ``_plan_captures``; ``batch`` (or None) holds continuing spans
         ``(slots, starts, source_starts, counts, new_pages)``, arrays (slots always) or, up to
-        ``SMALL_BATCH`` spans, lists; ``call_ids`` are the call's request ids, in its order
-        (which request publishes a block that two of them complete). Nothing is changed before the
-        copy: its target pages are chosen by looking ahead at the pages the allocation below
-        will take (free ones first, then the oldest evictable, including pages that first
-        captures of this call stop pinning), planned spans first, then the batch.
+        ``SMALL_BATCH`` spans, lists; ``order`` lists the request ids in publishing order (which
+        request publishes a block that two of them complete: ``capture_step``). Nothing is
+        changed before the copy: its target pages are chosen by looking ahead at the pages the
+        allocation below will take (free ones first, then the oldest evictable, including pages
+        that first captures of this call stop pinning), planned spans first, then the batch.
         """
         batch_new = total(batch[4]) if batch is not None else 0
         releasing = []  # with enough free pages, the allocation below takes no page they release
@@ -435,12 +441,7 @@ class RoutedExpertsCache:
             ends = list(map(add, batch[1], batch[3])) if type(batch[1]) is list else batch[1] + batch[3]
             self._commit_batch(batch[0], ends, pages[num_new_pages:], table_slots, table_blocks)
         planned = [request for _, request, *_ in plans]
-        if batch is None:
-            self._settle(planned)
-        elif not planned:
-            self._settle(self._settling(completed))
-        else:
-            self._settle_listed(planned, self._settling(completed), call_ids)
+        self._settle(planned + self._settling(completed) if batch is not None else planned, order)
         self._counters["captured_rows"] += int(sum(lengths) if type(lengths) is list else lengths.sum())
 
     def _demote(self, demotions: list[tuple[int, int]]) -> None:
@@ -1018,40 +1019,29 @@ class RoutedExpertsCache:
             block_hash for block_hash, page in zip(own, request.own_pages) if self._pages.published.get(block_hash) == page
         ]
 
-    def _settle(self, requests: list[_Request]) -> None:
-        """Publish the requests' full own blocks whose hashes are known, in request and block
-        order, with one ``publish_many`` for the step.
+    def _settle(self, requests: list[_Request], order: Iterable | None = None) -> None:
+        """Publish the requests' full own blocks whose hashes are known, with one
+        ``publish_many``: in request and block order, or, where two of the requests complete
+        the same block, with the requests in ``order`` (request ids; the first publishes it).
 
         A block whose hash another page publishes and someone pins stays a duplicate: this
         request keeps reading its own copy, freed at finish (``PagePool.publish``).
         """
-        hashes, pages = [], []
-        for request in requests:
-            if request.first_block is not None:
-                self._take_settling(request, hashes, pages)
-        if hashes:
-            self._pages.publish_many(hashes, pages)
-
-    def _settle_listed(self, planned: list[_Request], continuing: list[_Request], call_ids: list) -> None:
-        """``_settle`` of one call's planned and continuing requests. Where a planned request and
-        a continuing one complete the same block, the one the call lists first publishes it and
-        the other keeps a duplicate, as in ``_settle`` (requests in call order); else the planned
-        ones go first, which changes nothing else and saves ordering the call's requests."""
-        requests, hashes, pages, ends = planned + continuing, [], [], []
+        hashes, pages, ends = [], [], []
         for request in requests:
             if request.first_block is not None:
                 self._take_settling(request, hashes, pages)
             ends.append(len(hashes))
-        split = ends[len(planned) - 1]
-        if 0 < split < len(hashes) and not set(hashes[:split]).isdisjoint(hashes[split:]):
-            first_listed = {}
-            for position, request_id in enumerate(call_ids):
-                first_listed.setdefault(request_id, position)
+        if not hashes:
+            return
+        if order is not None and len(requests) > 1 and len(set(hashes)) < len(hashes):
+            rank = {}
+            for position, request_id in enumerate(order):
+                rank.setdefault(request_id, position)
             ids, starts = self._slots.ids, [0, *ends[:-1]]
-            order = sorted(range(len(requests)), key=lambda j: first_listed[ids[requests[j].slot]])
-            hashes, pages = ([value for j in order for value in values[starts[j] : ends[j]]] for values in (hashes, pages))
-        if hashes:
-            self._pages.publish_many(hashes, pages)
+            by_rank = sorted(range(len(requests)), key=lambda j: rank.get(ids[requests[j].slot], len(rank)))
+            hashes, pages = ([value for j in by_rank for value in values[starts[j] : ends[j]]] for values in (hashes, pages))
+        self._pages.publish_many(hashes, pages)
 
     def _take_settling(self, request: _Request, hashes: list[bytes], pages: list[int]) -> None:
         """Add a capturing request's full own blocks whose hashes are known and that are not

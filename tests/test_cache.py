@@ -669,6 +669,41 @@ def test_a_block_two_requests_complete_in_one_call_is_published_by_the_first_lis
     assert_accounting(cache)
 
 
+@pytest.mark.parametrize("call", ["capture_step", "capture_step_arrays"])
+@pytest.mark.parametrize("a_continues", [True, False], ids=["continuing-and-first", "both-first"])
+@pytest.mark.parametrize("publisher", ["a", "b"])
+def test_a_block_two_requests_complete_in_one_step_is_published_by_the_first_in_the_engines_order(
+    make_cache, gen, monkeypatch, call, a_continues, publisher
+):
+    """A step's ``order`` (vLLM's scheduling order, which its input batch need not follow)
+    decides which of two requests completing the same block publishes it, whatever the call's
+    order: vLLM serves later hits from the KV block of the request it scheduled first, and
+    where batch position changes the numerics (bf16) its rows are the ones that match that KV.
+    Each request keeps reading its own rows, the routing of its own forward."""
+    if call == "capture_step_arrays":
+        monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
+    cache = make_cache(8)
+    rows = {"a": rand_rows(gen, 4), "b": rand_rows(gen, 4)}
+    if a_continues:
+        cache.capture("a", 0, rows["a"][:2])
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.add_block_hashes("b", [h("p", 0)])
+    spans = {"a": (2, rows["a"][2:]) if a_continues else (0, rows["a"]), "b": (0, rows["b"])}
+    ids = ["b", "a"]  # the call (the input batch) lists b first
+    source = torch.cat([spans[request_id][1] for request_id in ids])
+    starts = np.array([spans[request_id][0] for request_id in ids], dtype=np.int64)
+    counts = np.array([len(spans[request_id][1]) for request_id in ids], dtype=np.int64)
+    source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    order = {publisher: 0, "b" if publisher == "a" else "a": 0}  # the metadata's dict: its keys in order
+    cache.capture_step(source, ids, cache.slots(ids), starts, source_starts, counts, order)
+    assert states(cache, "duplicate", "published") == dict(duplicate=1, published=1)
+    cache.add_block_hashes("c", [h("p", 0)])
+    assert_rows(cache.read("c", 0, 4), u8(rows[publisher]))
+    for request_id in ("a", "b"):
+        assert_rows(cache.read(request_id, 0, 4), u8(rows[request_id]))
+    assert_accounting(cache)
+
+
 def test_recomputed_block_replaces_an_unpinned_published_page(make_cache, gen):
     cache = make_cache(4)
     rows_a, rows_b = rand_rows(gen, 4), rand_rows(gen, 4)

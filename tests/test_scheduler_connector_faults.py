@@ -114,6 +114,28 @@ def test_pool_exhaustion_mid_batch_fails_the_step_and_keeps_other_rows():
     check_output(out, "a", 7, 8)
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["small-batch", "array"])
+@pytest.mark.parametrize("scheduled_first", ["a", "b"])
+def test_a_block_two_requests_compute_in_one_step_is_published_from_the_one_vllm_scheduled_first(
+    monkeypatch, small, scheduled_first
+):
+    """Model Runner V2's input batch need not follow the scheduler's order (the metadata's).
+    Two requests compute the same block in one step; vLLM serves later hits from the KV block of
+    the one it scheduled first, so that one's rows are published, and each request still gets
+    its own rows."""
+    if not small:
+        monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
+    driver = Driver()
+    shared = block_hash("shared", 0)
+    order = {scheduled_first: 0, "b" if scheduled_first == "a" else "a": 0}
+    out = driver.step(metadata(order, hashes={"a": [shared], "b": [shared]}), [("a", 0, PAGE + 1), ("b", 0, PAGE + 1)])
+    check_output(out, "a", 0, PAGE + 1)
+    check_output(out, "b", 0, PAGE + 1)
+    out = driver.step(metadata({"c": 0}, hashes={"c": [shared]}), [("c", PAGE, 1)])  # a prefix hit of the block
+    want = np.stack([row_of(scheduled_first, p) for p in range(PAGE)])
+    np.testing.assert_array_equal(out["c"].rows[:PAGE], want)
+
+
 @pytest.mark.parametrize("case", ["unknown", "finished", "two unknown"])
 def test_hashes_for_a_request_that_is_not_running_are_refused(case):
     driver = Driver()

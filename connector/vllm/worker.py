@@ -493,7 +493,7 @@ class CacheWorkerConnector:
         if len(rollbacks):
             self._roll_back(pending, emit_starts, rollbacks.tolist())
         token_ends = capture_starts + counts
-        self._cache.capture_step(pending.snapshot, request_ids, slots, capture_starts, row_starts, counts)
+        self._cache.capture_step(pending.snapshot, request_ids, slots, capture_starts, row_starts, counts, pending.emit_starts)
         self._capture_cursor[slots] = token_ends
         self._scheduled_cursor[slots] = token_starts + num_rows
         emitting = (sampled > 0) & (emit_starts <= token_ends)
@@ -544,7 +544,8 @@ class CacheWorkerConnector:
             else:
                 emit_cursors.append(emit_start)
         self._reattachments += reattached
-        self._cache.capture_step_small(pending.snapshot, request_ids, slots, capture_starts, bounds[:-1], counts, token_ends)
+        self._cache.capture_step_small(
+            pending.snapshot, request_ids, slots, capture_starts, bounds[:-1], counts, token_ends, pending.emit_starts)
         self._capture_cursor[slots] = token_ends
         self._scheduled_cursor[slots] = scheduled_ends
         self._emit_cursor[slots] = emit_cursors
