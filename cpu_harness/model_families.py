@@ -69,28 +69,33 @@ def build_tiny_qwen3_next(path, seed: int = 0, counting: bool = False) -> Path:
 
 
 def build_tiny_qwen3_next_mtp(path, seed: int = 0) -> Path:
-    """``build_tiny_qwen3_next`` plus an MTP module (vLLM's ``qwen3_next_mtp`` weight names),
-    built so that most of its drafts are accepted: the model counts up and so does the drafter,
-    one token further on.
+    """``build_tiny_qwen3_next`` with a ``counting_head`` plus an MTP module (vLLM's
+    ``qwen3_next_mtp`` weight names: ``mtp.fc``, ``mtp.layers.0``, three norms), built by
+    ``_add_counting_mtp`` so that most of its drafts are accepted."""
+    path = build_tiny_qwen3_next(path, seed, counting=True)
+    norms = [f"mtp.{norm}.weight" for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding")]
+    return _add_counting_mtp(path, layer="mtp.layers.0.", projection="mtp.fc.weight", norms=norms)
 
-    The model is ``build_tiny_qwen3_next``'s with a ``counting_head``: greedy decoding counts up
-    (see there), and the routing is the random model's. The MTP module's
-    ``fc`` passes the next token's normalized embedding on (the main model's hidden state is
-    dropped), which outweighs what its layer (a copy of the last one) adds, and its norms are
-    the final norm's: it predicts the successor of the next token, the target's own choice one
-    step ahead, nearly always. ``num_nextn_predict_layers`` is 1."""
+
+def _add_counting_mtp(path: Path, layer: str, projection: str, norms: list[str], copies: dict[str, str] | None = None) -> Path:
+    """Add a one-layer MTP module to the counting model in ``path`` (``num_nextn_predict_layers``
+    1), built to count with it: its decoder layer (weight names under ``layer``) is a copy of
+    the model's last layer, its ``projection`` passes the next token's normalized embedding on
+    (the main model's hidden state is dropped), which outweighs what the layer adds, its
+    ``norms`` are the final norm, and ``copies`` names further weights of it and the model's
+    weights they copy. So it predicts the successor of the next token, the target's own choice
+    one step ahead, nearly always; the routing stays the random model's."""
     from safetensors.torch import load_file, save_file
 
-    path = build_tiny_qwen3_next(path, seed, counting=True)
     (checkpoint,) = path.glob("*.safetensors")
     weights = load_file(checkpoint)
     config = json.loads((path / "config.json").read_text())
     hidden = config["hidden_size"]
     last = f"model.layers.{config['num_hidden_layers'] - 1}."
-    mtp = {"mtp.layers.0." + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
-    mtp["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
-    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        mtp[f"mtp.{norm}.weight"] = weights["model.norm.weight"].clone()
+    mtp = {layer + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
+    mtp[projection] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
+    mtp |= {norm: weights["model.norm.weight"].clone() for norm in norms}
+    mtp |= {name: weights[source].clone() for name, source in (copies or {}).items()}
     save_file(weights | mtp, checkpoint, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}, indent=2))
     return path
@@ -149,29 +154,17 @@ def build_tiny_deepseek_v3(path, seed: int = 0, counting: bool = False) -> Path:
 
 
 def build_tiny_deepseek_v3_mtp(path, seed: int = 0) -> Path:
-    """``build_tiny_deepseek_v3`` plus one MTP module where DeepSeek-V3 keeps it (layer
-    ``num_hidden_layers``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, a decoder block),
-    built to count like ``build_tiny_qwen3_next_mtp``'s: the model has a ``counting_head``,
-    ``eh_proj`` passes the next token's normalized embedding on (the main model's hidden state
-    is dropped), the block is a copy of the last MoE layer and the module's head is the model's,
-    so it predicts the successor of the next token, the target's own choice one step ahead."""
-    from safetensors.torch import load_file, save_file
-
+    """``build_tiny_deepseek_v3`` with a ``counting_head`` plus one MTP module where DeepSeek-V3
+    keeps it (layer ``num_hidden_layers``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``
+    (the model's head), its own ``embed_tokens``, a decoder block), built by
+    ``_add_counting_mtp`` so that many of its drafts are accepted."""
     path = build_tiny_deepseek_v3(path, seed, counting=True)
-    (checkpoint,) = path.glob("*.safetensors")
-    weights = load_file(checkpoint)
-    config = json.loads((path / "config.json").read_text())
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    last, module = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
-    mtp = {module + name[len(last):]: w.clone() for name, w in weights.items() if name.startswith(last)}
-    mtp[module + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        mtp[f"{module}{norm}.weight"] = weights["model.norm.weight"].clone()
-    mtp[module + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
-    mtp[module + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-    save_file(weights | mtp, checkpoint, metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}, indent=2))
-    return path
+    module = f"model.layers.{json.loads((path / 'config.json').read_text())['num_hidden_layers']}."
+    return _add_counting_mtp(
+        path, layer=module, projection=module + "eh_proj.weight",
+        norms=[f"{module}{norm}.weight" for norm in ("enorm", "hnorm", "shared_head.norm")],
+        copies={module + "shared_head.head.weight": "lm_head.weight", module + "embed_tokens.weight": "model.embed_tokens.weight"},
+    )
 
 
 def mla_keeps_prefix_caching() -> bool:
