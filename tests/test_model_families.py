@@ -55,8 +55,10 @@ EXPECTED = {
     "deepseek_v3_mtp": (model_families.build_tiny_deepseek_v3_mtp, 32, (3, 4), 0.04, (1, 256)),
 }
 FAMILIES = list(EXPECTED)
-GROUPED_TOP_K = {"deepseek_v3", "deepseek_v3_mtp"}  # a near-tie of two groups' scores swaps a group's experts at once
-REFUSED_HERE = set() if model_families.mla_keeps_prefix_caching() else {"deepseek_v3", "deepseek_v3_mtp"}
+# DeepSeek-V3's families: MLA (refused where the CPU has no AMX), grouped top-k (a near-tie of
+# two groups' scores swaps a group's experts at once), routed by deepseek_routed_experts.
+DEEPSEEK_V3 = {"deepseek_v3", "deepseek_v3_mtp"}
+REFUSED_HERE = set() if model_families.mla_keeps_prefix_caching() else DEEPSEEK_V3
 # Families whose requests compute blocks that another request computes too (in the same step,
 # or again after a hit that vLLM shortened by a block for the drafter): the built-in path
 # returns the copy it stored under the block's hash, this plugin the request's own rows.
@@ -157,7 +159,7 @@ def test_rows_match_hugging_face(family_runs):
         assert runs["plugin"] == {"refused": True}
         return
     allowed = EXPECTED[family][3]
-    reference_rows = model_families.deepseek_routed_experts if family.startswith("deepseek") else hf_routed_experts
+    reference_rows = model_families.deepseek_routed_experts if family in DEEPSEEK_V3 else hf_routed_experts
     requests = runs["plugin"]["requests"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # A later turn's tokens extend its conversation's earlier turns: one forward per
@@ -177,7 +179,7 @@ def test_rows_match_hugging_face(family_runs):
         reference = references[key][: len(tokens) - 1]
         bad = rows_differing_from(rows, reference)
         total, differing = total + len(rows), differing + len(bad)
-        for position in bad if family not in GROUPED_TOP_K else ():  # a near-tie flip: one expert per layer
+        for position in bad if family not in DEEPSEEK_V3 else ():  # a near-tie flip: one expert per layer
             ours = np.sort(rows[position], axis=-1)
             for layer in range(rows.shape[1]):
                 swapped = set(ours[layer].tolist()) - set(reference[position, layer].tolist())
