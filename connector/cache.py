@@ -83,6 +83,12 @@ class _Request:
         return self.first_block * page_size
 
 
+def _indexable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or for uint16 (torch's CPU build has no ``index_put`` for it) its int16 view:
+    the same bits."""
+    return tensor.view(torch.int16) if tensor.dtype == torch.uint16 else tensor
+
+
 def _format_ranges(ranges: list[tuple[int, int]]) -> str:
     return " ".join(f"[{a}, {b})" for a, b in ranges) if ranges else "nothing"
 
@@ -449,7 +455,7 @@ class RoutedExpertsCache:
         with one device-to-host copy."""
         if demotions:
             device_pages, host_pages = (list(column) for column in zip(*demotions))
-            self.host_arena[[page - self.num_pages for page in host_pages]] = self.pages[device_pages].cpu()
+            _indexable(self.host_arena)[[page - self.num_pages for page in host_pages]] = _indexable(self.pages[device_pages].cpu())
 
     def _check_room(self, plans: list[tuple], num_new_pages: int, batch, batch_new: int, releasing: int) -> None:
         """Refuse a capture that needs more new pages than are free or evictable."""
@@ -1144,7 +1150,8 @@ class RoutedExpertsCache:
             runs = lengths[from_host]
             within = np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)
             rows = self.host_arena.view(-1, *self.row_shape)[np.repeat(source_rows[from_host] - host_rows, runs) + within]
-            packed[torch.from_numpy(np.repeat(target_rows[from_host], runs) + within).to(self.device)] = rows.to(self.device)
+            _indexable(packed)[torch.from_numpy(np.repeat(target_rows[from_host], runs) + within).to(self.device)] = _indexable(
+                rows.to(self.device))
             lengths, source_rows, target_rows = lengths[~from_host], source_rows[~from_host], target_rows[~from_host]
             self._counters["host_read_rows"] += int(runs.sum())
         return lengths, source_rows, target_rows

@@ -26,8 +26,9 @@ def finished_and_retained(cache, gen, tag, num_blocks, page_size=4):
     return rows
 
 
-def test_retained_blocks_go_to_the_host_only_when_the_device_is_full_and_read_back_exactly(make_cache, gen):
-    cache = make_cache(4, host_pages=4)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.int32], ids=str)  # uint16: torch has no index_put for it
+def test_retained_blocks_go_to_the_host_only_when_the_device_is_full_and_read_back_exactly(make_cache, gen, dtype):
+    cache = make_cache(4, host_pages=4, dtype=dtype)
     rows_a = finished_and_retained(cache, gen, "a", 4)
     assert cache.stats()["demoted"] == 0  # room on the device: nothing moves
     rows_b = rand_rows(gen, 8)
@@ -35,18 +36,18 @@ def test_retained_blocks_go_to_the_host_only_when_the_device_is_full_and_read_ba
     stats = cache.stats()
     assert (stats["demoted"], stats["demotions"], stats["evictions"]) == (2, 2, 0)
     assert all(cache.is_published(h("a", i)) for i in range(4))
-    assert_rows(cache.read("b", 0, 8), u8(rows_b))
+    assert_rows(cache.read("b", 0, 8), rows_b.to(dtype))
     cache.finish("b")
     # A prefix hit over a0..a3 reads host pages (a0, a1), device pages (a2, a3) and its own rows.
     cache.add_block_hashes("c", [h("a", i) for i in range(4)])
     rows_c = rand_rows(gen, 3)
     cache.capture("c", 16, rows_c)
-    assert_rows(cache.read("c", 2, 19), u8(torch.cat([rows_a[2:], rows_c])))
+    assert_rows(cache.read("c", 2, 19), torch.cat([rows_a[2:], rows_c]).to(dtype))
     assert cache.stats()["host_read_rows"] == 6
     packed, offsets = cache.read_batch(["c", "c", "c"], [0, 16, 9], [5, 19, 12])
-    assert_rows(packed[offsets[0] : offsets[1]], u8(rows_a[:5]))
-    assert_rows(packed[offsets[1] : offsets[2]], u8(rows_c))
-    assert_rows(packed[offsets[2] : offsets[3]], u8(rows_a[9:12]))
+    assert_rows(packed[offsets[0] : offsets[1]], rows_a[:5].to(dtype))
+    assert_rows(packed[offsets[1] : offsets[2]], rows_c.to(dtype))
+    assert_rows(packed[offsets[2] : offsets[3]], rows_a[9:12].to(dtype))
     assert_accounting(cache)
 
 
