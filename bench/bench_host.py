@@ -362,7 +362,7 @@ def summarize(impl: str, concurrency: int, samples: list[dict]) -> dict:
         "median_ms": statistics.median(wall) * 1e3, "p90_ms": float(np.percentile(wall, 90)) * 1e3,
         "cpu_median_ms": statistics.median(cpu) * 1e3,
         "host_only_cpu_median_ms": statistics.median(host_only) * 1e3,
-        # Means too: work done once every few steps (the capture journal's flush, vLLM's writer
+        # Means too: work done once every few steps (deferred work applied at once, vLLM's writer
         # thread) weighs in full there and hardly in the median.
         "cpu_mean_ms": statistics.fmean(cpu) * 1e3, "host_only_cpu_mean_ms": statistics.fmean(host_only) * 1e3,
         "hook_thread_cpu_median_ms": statistics.median(sum(s[h][1] for h in HOOKS) for s in samples) * 1e3,

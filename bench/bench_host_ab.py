@@ -8,9 +8,9 @@ interleaved round by round in alternating order, so that the machine's load fall
 alike; the first round of each is a warm-up. The revision's package is taken from git
 (``git archive``) into a temporary folder and imported under another name. The figure is the
 median per step of all four hooks' thread-CPU time without the row copies (bench_host's
-"bookkeeping"), its mean (work done once every few steps, such as the capture journal's
-flush, shows there and not in the median), and the median of ``begin_step``; both replays must return the same rows. Results go to a
-new git-ignored folder under bench/out/ (or ``$OUT``).
+"bookkeeping"), its mean (work done once every few steps, such as deferred work applied at
+once, shows there and not in the median), and the median of ``begin_step``; both replays must
+return the same rows. Results go to a new git-ignored folder under bench/out/ (or ``$OUT``).
 
 ``--page-pool`` compares the page pool alone, where a change to it is a few percent of a step
 and whole steps cannot resolve it on a shared machine: both replays run this checkout's

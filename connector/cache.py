@@ -32,10 +32,6 @@ array passes costs more for a few dozen); above it, array passes over the slot a
 a shorter set for a decode step (spans of at most a page, new blocks on free pages).
 Python also runs per new page, per request that settles blocks and for the spans the arrays
 do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segments``).
-
-With ``journal_rows``, the connector's decode steps wait in a journal (``StepJournal``: their
-rows in a ring, their spans as given) and are planned several at once, with array passes over
-all of them, by whichever call next touches anything else (``_flush``).
 """
 
 from collections import Counter
@@ -56,7 +52,6 @@ from . import batch_size
 from .batch_size import as_plain_list, largest, total
 from .page_pool import PagePool
 from .request_slots import RequestSlots
-from .step_journal import CAPTURE, StepJournal
 
 POOL_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32)
 # Positions fit int32, as in vLLM's batch arrays; far beyond any model's context length.
@@ -94,13 +89,6 @@ def _indexable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16) if tensor.dtype == torch.uint16 else tensor
 
 
-def _joined(parts: list) -> np.ndarray:
-    """One int64 array of the parts (lists or arrays), in order."""
-    if all(type(part) is list for part in parts):
-        return np.fromiter(chain.from_iterable(parts), dtype=np.int64)
-    return np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
-
-
 def _format_ranges(ranges: list[tuple[int, int]]) -> str:
     return " ".join(f"[{a}, {b})" for a, b in ranges) if ranges else "nothing"
 
@@ -118,21 +106,17 @@ class RoutedExpertsCache:
         backend: str = "auto",
         max_position: int = DEFAULT_MAX_POSITION,
         host_pages: int = 0,
-        journal_rows: int = 0,
     ) -> None:
         """``max_position``: positions are ``[0, max_position)`` (a request's length bound; vLLM's
         connector passes ``max_model_len``); a call naming a position past it is refused before
         anything changes. ``host_pages``: the host tier, pages in host memory (pinned on CUDA)
         that take retained blocks when the device pool is full (``PagePool``); reads gather
-        their rows from there. ``journal_rows``: a device ring of that many rows where
-        ``capture_step`` keeps continuing steps whose pages are planned later, several at once
-        (``StepJournal``); 0: every step is planned when it is captured."""
+        their rows from there."""
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_position", max_position)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise RoutedExpertsCacheError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("host_pages", host_pages), ("journal_rows", journal_rows)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RoutedExpertsCacheError(f"{name} must be an int >= 0, got {value!r}")
+        if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
+            raise RoutedExpertsCacheError(f"host_pages must be an int >= 0, got {host_pages!r}")
         row_shape = tuple(row_shape)
         if not row_shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in row_shape):
             raise RoutedExpertsCacheError(f"row_shape must be positive ints, got {row_shape!r}")
@@ -164,7 +148,6 @@ class RoutedExpertsCache:
             self.host_arena = torch.zeros(
                 (host_pages, page_size, *row_shape), dtype=dtype, pin_memory=device.type == "cuda" and host_pages > 0
             )
-            ring = torch.zeros((journal_rows, *row_shape), dtype=dtype, device=device)
         except (RuntimeError, AssertionError) as error:  # an unusable device, or out of memory
             raise RoutedExpertsCacheError(
                 f"cannot allocate the pool ({num_pages} pages x {page_size} rows of {row_shape} {dtype}) on "
@@ -174,7 +157,6 @@ class RoutedExpertsCache:
         # as they are (its index copies take any row shape; uint16 has none on CPU: words too).
         self._copy_view = _as_rows if backend == "torch" and dtype != torch.uint16 else as_row_words
         self._pool_words = self._copy_view(self.pages.view(num_pages * page_size, *row_shape))
-        self._journal = StepJournal(ring, self._copy_view(ring))
         self._copy = load_triton_copy() if backend == "triton" else copy_segments_torch
         if backend == "triton" and not interpreting():
             precompile_triton_copy(self._pool_words)  # no compile stalls once serving starts
@@ -186,7 +168,6 @@ class RoutedExpertsCache:
         return self.pages.shape[0]
 
     def _clear(self) -> None:
-        self._journal.take()
         self._pages = PagePool(self.num_pages, self.host_arena.shape[0])  # pins: requests' hashes and retained ones
         self._requests: dict[object, _Request] = {}
         self._counters = Counter()
@@ -245,7 +226,6 @@ class RoutedExpertsCache:
         checked one by one in ``_plan_captures``. Either every span is stored, with one
         scatter, or the call is refused and nothing changes.
         """
-        self._flush()
         request_ids = as_list(request_ids, "capture request ids")
         check_rows("<batch>", source, self.row_shape)
         slots = self._slots.checked(request_ids, slots)
@@ -298,18 +278,12 @@ class RoutedExpertsCache:
         complete the same block, the first request in that order publishes it, as the engine
         serves later hits from that request's block; the others keep reading their own copy
         (their own forward's rows). Default: the call's order.
-
-        With a journal (``journal_rows``), a step of continuing spans only copies its rows into
-        the ring (``_journal_step``); the next call that is not such a step applies it first.
         """
         if len(slots) <= batch_size.SMALL_BATCH:
             lists = (values.tolist() for values in (starts, source_starts, counts))
             self.capture_step_small(source, request_ids, slots, *lists, (starts + counts).tolist(), order)
             return
         first = (self._slots.first_block[slots] < 0).nonzero()[0]
-        if not len(first) and self._journal_step(source, (slots, starts, source_starts, counts, starts + counts), order):
-            return
-        self._flush()
         if len(first) or not self._capture_within_pages(source, slots, starts, source_starts, counts, order):
             self._capture_planned(source, request_ids, slots, starts, source_starts, counts, first, order)
 
@@ -321,9 +295,6 @@ class RoutedExpertsCache:
         them. Any other step (first captures, new blocks on evicted pages) goes through
         ``_write``, the spans still lists."""
         first = (self._slots.first_block[slots] < 0).nonzero()[0].tolist()
-        if not first and self._journal_step(source, (slots, starts, source_starts, counts, ends), order):
-            return
-        self._flush()
         if first or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends, order):
             self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first, order)
 
@@ -633,115 +604,6 @@ class RoutedExpertsCache:
             slots[takes], blocks[takes] + crossing[takes], slots[counts >= heads].tolist(),
         )
 
-    def _journal_step(self, source: torch.Tensor, spans: tuple, order) -> bool:
-        """Keep a step of continuing spans ``(slots, starts, source_starts, counts, ends)`` (no
-        first captures; lists or arrays) in the journal, planned later with the steps after it:
-        its rows go to the ring, nothing else changes. False, changing nothing, where the
-        journal is off or full, a span ends past ``max_position``, or the journaled spans could
-        begin more blocks than the pool has room for: the step is captured now."""
-        journal, size = self._journal, self.page_size
-        _, starts, source_starts, counts, ends = spans
-        if not journal.ring.shape[0] or not len(ends):
-            return False
-        if type(ends) is list:
-            if max(ends) > self.max_position:
-                return False
-            rows, num_rows = max(map(add, source_starts, counts)), sum(counts)
-        else:
-            if largest(ends) > self.max_position:
-                return False
-            rows, num_rows = largest(source_starts + counts), total(counts)
-        # At most the blocks these spans begin: a span of n rows begins at most n // size + 1.
-        new_pages = len(ends) + num_rows // size
-        if not journal.fits(rows, new_pages, self._pages):
-            return False
-        start = journal.rows
-        self._copy_rows(self._source_words(source)[:rows], journal.ring_words[start : start + rows], None, None, None, False)
-        journal.add_capture(spans, order, rows, num_rows, new_pages)
-        return True
-
-    def _flush(self) -> None:
-        """Apply the journaled steps as the same calls made one by one would have: step by
-        step, the pages of the blocks it begins (free, evicted or demoted, as ``allocate``
-        takes them), its cursors and the blocks that settle, and the block hashes that came
-        between; then every row goes from the ring into its page with one copy. Row positions
-        and new blocks are found with array passes over all the steps at once: every span
-        continues its request, so a journaled row at a page's first position is the first row
-        of a block without a page. Every call but the connector's continuing captures (and
-        ``slots_step`` / ``check_pin_step``, which the journal does not touch) flushes first,
-        so nothing sees the pool without those rows."""
-        entries = self._journal.entries
-        if not entries:
-            return
-        size = self.page_size
-        captures = [entry for entry in entries if entry[0] is CAPTURE]
-        if len(captures) == 1:  # one step (the first entry): planned as when it was captured, from the ring
-            _, spans, start, order, _ = self._journal.take()[0]
-            source = self._journal.ring[start:]
-            if type(spans[1]) is list:
-                if not self._capture_continuing_small(source, *spans, order):
-                    self._capture_planned_small(source, self._slots.ids[spans[0]].tolist(), *spans, [], order)
-            elif not self._capture_within_pages(source, *spans[:4], order):
-                self._capture_planned(source, self._slots.ids[spans[0]].tolist(), *spans[:4], np.empty(0, np.int64), order)
-            for _, request_ids, hash_lists in entries[1:]:
-                self._add_block_hashes_now(request_ids, hash_lists)
-            return
-        spans_of = [entry[1] for entry in captures]
-        slots, starts, source_starts, counts = (_joined([spans[field] for spans in spans_of]) for field in range(4))
-        num_spans = [len(spans[0]) for spans in spans_of]
-        source_starts += np.repeat([entry[2] for entry in captures], num_spans)
-        num_rows = total(counts)
-        if np.count_nonzero(counts - 1):  # spans of several rows (or none): one entry per row
-            span = np.repeat(np.arange(len(counts)), counts)
-            within = np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
-            row_slots, positions, source_rows = slots[span], starts[span] + within, source_starts[span] + within
-        else:
-            row_slots, positions, source_rows = slots, starts, source_starts
-        offsets = positions % size
-        begun = (offsets == 0).nonzero()[0]  # in call order
-        own = positions // size - self._slots.first_block[row_slots]
-        new_slots, new_blocks = row_slots[begun].tolist(), own[begun].tolist()
-        begun_by = np.searchsorted(begun, list(accumulate(entry[4] for entry in captures))).tolist()  # up to each step's end
-        completed = ((starts + counts) // size > starts // size).nonzero()[0].tolist()
-        completed_slots, step, taken, done, span_end = slots[completed].tolist(), 0, 0, 0, 0
-        self._journal.take()
-        for entry in entries:
-            if entry[0] is not CAPTURE:
-                self._add_block_hashes_now(entry[1], entry[2])
-                continue
-            spans, span_end = entry[1], span_end + num_spans[step]
-            if begun_by[step] > taken:
-                self._take_pages(new_slots[taken : begun_by[step]], new_blocks[taken : begun_by[step]])
-                taken = begun_by[step]
-            step += 1
-            self._slots.cursor[spans[0]] = spans[4]
-            settling = done
-            while done < len(completed) and completed[done] < span_end:
-                done += 1
-            if done > settling:
-                self._settle(self._settling(completed_slots[settling:done]), entry[3])
-        self._counters["captured_rows"] += num_rows
-        if num_rows:
-            target_rows = self._slots.table[row_slots, own] * size + offsets
-            try:
-                self._copy_small(self._journal.ring_words, self._pool_words, np.ones(num_rows, dtype=np.int64), source_rows,
-                                 target_rows, num_rows)
-            except Exception:
-                self.reset()  # the pages claim rows that never arrived: drop everything (reads fail closed)
-                raise
-
-    def _take_pages(self, slots: list[int], own_blocks: list[int]) -> None:
-        """Allocate a page for each of these requests' new own blocks (as ``allocate`` does:
-        free, evicted, or freed by demoting its block, whose rows reach the host first) and
-        enter it in their block maps and the block table."""
-        if len(slots) > len(self._pages.free):
-            self._demote(self._pages.next_pages(len(slots), [])[2])
-        pages = self._pages.allocate_many(len(slots))
-        self._slots.set_pages(slots, own_blocks, pages)
-        requests = self._slots.requests
-        for slot, page in zip(slots, pages):
-            requests[slot].own_pages.append(page)  # in block order per request
-
     def _settling(self, completed_slots: list[int]) -> list[_Request]:
         """The requests of these slots (spans that completed a block) with a full own block
         whose hash is known: the only ones with a block to settle."""
@@ -928,11 +790,8 @@ class RoutedExpertsCache:
         """``target[target_index] = source[source_index]``; ``source_first``: the source rows
         are ``source_first`` on, contiguous, and ``source`` is not ``target`` (None: either is
         not; where it is given, ``source_index`` may be None); ``packed_target``: the target rows
-        are all of ``target``, in order (``target_index`` None). Both indices None: ``target``
-        takes the rows of ``source``, of its length (a step's rows into the journal's ring)."""
-        if source_index is None and target_index is None:
-            target.copy_(source)
-        elif packed_target:
+        are all of ``target``, in order (``target_index`` None)."""
+        if packed_target:
             torch.index_select(source, 0, source_index, out=target)
         elif source_first is not None:  # a view, no gather
             target.index_copy_(0, target_index, source[source_first : source_first + len(target_index)])
@@ -1014,30 +873,11 @@ class RoutedExpertsCache:
     def add_block_hashes_batch(self, request_ids: Sequence, hash_lists: Sequence[Iterable[bytes]]) -> None:
         """``add_block_hashes(request_ids[i], hash_lists[i])`` for every i, in order; every
         id and hash is checked before any is added (an engine step's hashes in one call)."""
-        request_ids, hash_lists = checked_hash_lists(request_ids, hash_lists)
-        self._flush()
-        self._add_block_hashes_now(request_ids, hash_lists)
+        self.add_block_hashes_step(*checked_hash_lists(request_ids, hash_lists))
 
     def add_block_hashes_step(self, request_ids: list, hash_lists: list[list[bytes]]) -> None:
         """``add_block_hashes_batch`` for an engine step whose ids and hashes the caller has
-        checked: lists as ``checks.checked_hash_lists`` returns them. Behind journaled capture
-        steps it is journaled too, and applied after them, in order, by the flush, unless it
-        pins hashes (a request's prefix blocks): pins change which pages an allocation may take.
-        """
-        if self._journal.entries:
-            requests = self._requests
-            for request_id in request_ids:  # pins would change the pool's room: applied now, after the journal
-                request = requests.get(request_id)
-                if request is None or request.first_block is None or request.first_block > len(request.hashes):
-                    self._flush()
-                    break
-            else:
-                self._journal.add_hashes(request_ids, hash_lists)
-                return
-        self._add_block_hashes_now(request_ids, hash_lists)
-
-    def _add_block_hashes_now(self, request_ids: list, hash_lists: list[list[bytes]]) -> None:
-        """``add_block_hashes_step``, applied now.
+        checked: lists as ``checks.checked_hash_lists`` returns them.
 
         In request order, a request's hashes before its first own block are pinned, and its
         full own blocks whose hashes are now known are published (as ``_settle`` does, in the same
@@ -1085,7 +925,6 @@ class RoutedExpertsCache:
 
     def retain(self, hashes: Iterable[bytes]) -> None:
         """Pin published (or future) blocks by hash, independent of any request."""
-        self._flush()
         hashes = as_list(hashes, "retained hashes")
         check_hashes(hashes, "retained hashes")
         self._pages.retain(hashes)
@@ -1094,7 +933,6 @@ class RoutedExpertsCache:
         """``retain(retained)``, then ``release(released)``, for an engine step whose hashes the
         caller has checked (lists of non-empty bytes). A release of hashes that are not retained
         then refuses both: nothing changes."""
-        self._flush()
         self._pages.retain(retained)
         try:
             self._check_retained(released)
@@ -1123,7 +961,6 @@ class RoutedExpertsCache:
 
     def release(self, hashes: Iterable[bytes]) -> None:
         """Drop pins taken by ``retain``, in the given order (last released is evicted last)."""
-        self._flush()
         hashes = as_list(hashes, "released hashes")
         check_hashes(hashes, "released hashes")
         self._check_retained(hashes)
@@ -1137,7 +974,6 @@ class RoutedExpertsCache:
 
         All or nothing: rows and hashes are checked and the room is found before any change.
         """
-        self._flush()
         hashes = as_list(hashes, "imported hashes")
         check_hashes(hashes, "imported hashes")
         check_rows("<import>", rows, self.row_shape)
@@ -1235,7 +1071,6 @@ class RoutedExpertsCache:
         ``read_batch`` for one interval. Its range is checked here first, so every error names
         the request, also for a position no int64 array can hold.
         """
-        self._flush()
         self._check_range(request_id, start, end)
         return self.read_batch([request_id], [start], [end])[0]
 
@@ -1261,7 +1096,6 @@ class RoutedExpertsCache:
         located with array passes; the others (and every interval of a small batch) are walked
         one by one in ``_append_segments``, their segments landing at their packed offsets.
         """
-        self._flush()
         n, size = len(request_ids), self.page_size
         source_rows, target_rows, lengths = [], [], []
         if n <= batch_size.SMALL_BATCH:  # offsets summed in Python: numpy's cumsum costs more for a few
@@ -1399,7 +1233,6 @@ class RoutedExpertsCache:
         Owned pages are freed; pins are released in reverse block order, so the request's
         last blocks become the first to be evicted.
         """
-        self._flush()
         check_request_id(request_id)
         request = self._requests.pop(request_id, None)
         if request is None:
@@ -1426,7 +1259,6 @@ class RoutedExpertsCache:
         rewind must be on a page boundary, and those prefix blocks become the request's own
         (it recomputes them). Unknown requests and positions at or past the cursor: no-op.
         """
-        self._flush()
         check_request_id(request_id)
         if not 0 <= check_position("position", position, request_id) <= self.max_position:
             raise InvalidCaptureError(
@@ -1467,12 +1299,10 @@ class RoutedExpertsCache:
 
     def is_published(self, block_hash: bytes) -> bool:
         """Whether a block with this hash is in the index (findable by prefix hits)."""
-        self._flush()
         return block_hash in self._pages.published
 
     def page_states(self) -> dict[int, str]:
         """State of every non-free page: 'tail', 'pending', 'duplicate' or 'published'."""
-        self._flush()
         num_pages, size = self.num_pages, self.page_size
         states = {page: "published" for page in self._pages.published.values() if page < num_pages}
         for request in self._requests.values():
@@ -1488,7 +1318,6 @@ class RoutedExpertsCache:
         return states
 
     def stats(self) -> dict[str, int]:
-        self._flush()
         counts = Counter(self.page_states().values())
         return {
             "num_pages": self.num_pages,
@@ -1518,7 +1347,6 @@ class RoutedExpertsCache:
 
     def check_consistency(self) -> None:
         """Raise if the page accounting is broken (used by the property tests)."""
-        self._flush()
         owned = [page for r in self._requests.values() for page in r.own_pages]
         expected_pins = Counter(h for r in self._requests.values() for h in self._pinned_hashes(r)) + Counter(self._pages.retained)
         problems = self._pages.problems(set(owned), expected_pins)

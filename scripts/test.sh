@@ -54,7 +54,7 @@ lane_b() {
     tests/test_scheduler_*.py || status=1
   run_tier "4 triton 3.6 (oldest admitted): cache, kernels, static kernel figures" .venv-triton36 \
     tests/test_kernels.py tests/test_kernel_static.py tests/test_cache.py tests/test_cache_stateful.py \
-    tests/test_host_tier.py tests/test_host_tier_stateful.py tests/test_step_journal.py || status=1
+    tests/test_host_tier.py tests/test_host_tier_stateful.py || status=1
   return $status
 }
 

@@ -624,13 +624,6 @@ class CacheWorkerConnector:
             self._cache = None
 
 
-# The capture journal's ring (``RoutedExpertsCache``'s ``journal_rows``): decode steps of up to a
-# few hundred requests are planned into pages several at once (1.5 MiB for 48 x 8 uint8 rows).
-# CPU pools only: on CUDA a flush may come on a thread and stream other than the side stream's
-# that wrote the ring (a finish applied by begin_step, a stats line), and it has not run on a GPU.
-JOURNAL_ROWS = 4096
-
-
 def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capturer) -> RoutedExpertsCache:
     """The pool for this engine: every KV-cached block's rows plus the working set.
 
@@ -674,7 +667,7 @@ def build_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, capture
         shared_pages + working_set, page_size, row_shape, dtype=capturer.output_dtype,
         device=capturer.device_buffer.device, backend=backend,
         max_position=vllm_config.model_config.max_model_len + drafts,  # drafts may run past the last token
-        host_pages=host_pages, journal_rows=JOURNAL_ROWS if capturer.device_buffer.device.type == "cpu" else 0,
+        host_pages=host_pages,
     )
 
 

@@ -30,7 +30,7 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from routed_experts_cache import RoutedExpertsCache
 from routed_experts_cache.connector.vllm import plugin as vllm_plugin
-from routed_experts_cache.connector.vllm.worker import JOURNAL_ROWS, CacheWorkerConnector, build_cache
+from routed_experts_cache.connector.vllm.worker import CacheWorkerConnector, build_cache
 
 from .scheduler import SchedulerSetup
 from .toy_model import HarnessError, ROW_SHAPE
@@ -190,7 +190,7 @@ def build_our_connector(setup: SchedulerSetup, capturer: SnapshotCapturer | None
             num_pages = build_cache(setup.vllm_config, setup.kv_cache_config, capturer).num_pages
         _, page_size = resolve_kv_cache_block_sizes(setup.kv_cache_config, setup.vllm_config)
         cache = RoutedExpertsCache(num_pages, page_size, ROW_SHAPE, dtype=torch.uint8, device="cpu",
-                                   backend=backend or "auto", journal_rows=JOURNAL_ROWS)
+                                   backend=backend or "auto")
     return CacheWorkerConnector(
         capturer=capturer, cache=cache, max_concurrent_batches=setup.vllm_config.max_concurrent_batches
     )
