@@ -59,8 +59,9 @@ from routed_experts_cache import (
     RoutedExpertsCacheError,
 )
 
-# (row_shape, pool dtype): one-byte routing ids, and a wide signed pool with odd-sized rows
-ROW_CONFIGS = (((3, 2), torch.uint8), ((5,), torch.int32))
+# (row_shape, pool dtype): one-byte routing ids, two-byte ones (more than 256 experts:
+# DeepSeek-V3, Kimi-K2), and a wide signed pool with odd-sized rows
+ROW_CONFIGS = (((3, 2), torch.uint8), ((2, 3), torch.uint16), ((5,), torch.int32))
 MAX_LIVE = 4
 BASE_LEN = 32  # tokens of each shared prefix family
 PROBE_ID = "__probe__"
@@ -91,6 +92,9 @@ def token_rows(tokens: tuple, row_shape: tuple, dtype: torch.dtype) -> torch.Ten
         if dtype == torch.uint8:
             digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=numel).digest()
             out.append(list(digest))
+        elif dtype == torch.uint16:  # the whole range, 0 .. 65535
+            digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=2 * numel).digest()
+            out.append([int.from_bytes(digest[2 * i : 2 * i + 2], "little") for i in range(numel)])
         else:
             digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=4 * numel).digest()
             out.append([int.from_bytes(digest[4 * i : 4 * i + 4], "little", signed=True) for i in range(numel)])
@@ -179,6 +183,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.steps_since_reset = 0
         self.COUNTS["examples"] += 1
         self.COUNTS[f"config_ps{page_size}_L{lookahead}_{'early' if prompt_hashes_early else 'late'}"] += 1
+        self.COUNTS[f"pool_{self.dtype}"] += 1
 
     def _count(self, name):
         self.COUNTS[name] += 1
@@ -908,7 +913,7 @@ def test_cache_against_the_model(backend, monkeypatch):
         "prefix_attaches", "late_hit_hashes", "restarts", "preemptions", "duplicate_blocks", "evictions",
         "cache_full", "batched_captures", "reads_ok", "reads_unavailable", "retains", "releases", "resets",
         "hash_deliveries", "invalid_captures", "bad_releases", "replaced_blocks", "first_capture_unpins",
-        "rewinds", "step_captures",
+        "rewinds", "step_captures", *(f"pool_{dtype}" for _, dtype in ROW_CONFIGS),
         *(["rewinds_into_prefix", "whole_prompt_hits"] if backend == "torch" else []),  # rarer: the larger budget
     ):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"

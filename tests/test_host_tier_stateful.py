@@ -39,7 +39,7 @@ MAX_LIVE = 3
 # evictions or seeds from the host once roll-backs joined the rules.
 BUDGETS = {
     "torch": dict(max_examples=100, stateful_step_count=100),
-    "triton": dict(max_examples=100, stateful_step_count=100),
+    "triton": dict(max_examples=150, stateful_step_count=100),
 }
 
 
@@ -74,10 +74,12 @@ class HostTierMachine(RuleBasedStateMachine):
     BACKEND = "torch"
     COUNTS: Counter = Counter()
 
-    @initialize(num_pages=st.integers(3, 6), host_pages=st.integers(1, 6), page_size=st.sampled_from([2, 3]))
-    def setup(self, num_pages, host_pages, page_size):
-        self.cache = RoutedExpertsCache(num_pages, page_size, ROW_SHAPE, dtype=torch.uint8, device=TEST_DEVICE,
+    @initialize(num_pages=st.integers(3, 6), host_pages=st.integers(1, 6), page_size=st.sampled_from([2, 3]),
+                dtype=st.sampled_from([torch.uint8, torch.uint16]))  # uint16: more than 256 experts
+    def setup(self, num_pages, host_pages, page_size, dtype):
+        self.cache = RoutedExpertsCache(num_pages, page_size, ROW_SHAPE, dtype=dtype, device=TEST_DEVICE,
                                         backend=self.BACKEND, host_pages=host_pages)
+        self.COUNTS[f"pool_{dtype}"] += 1
         self.page_size, self.host_pages = page_size, host_pages
         self.live: dict[str, Request] = {}
         self.retained: Counter = Counter()
@@ -177,7 +179,8 @@ class HostTierMachine(RuleBasedStateMachine):
             packed, offsets = self.cache.read_batch(*(list(column) for column in zip(*intervals)))
             got = [packed[offsets[i] : offsets[i + 1]] for i in range(len(intervals))]
         for (rid, start, end), rows in zip(intervals, got):
-            assert torch.equal(rows.cpu(), rows_of(self.live[rid].tokens, start, end)), f"{rid} [{start}, {end})"
+            expected = rows_of(self.live[rid].tokens, start, end).to(self.cache.dtype)
+            assert torch.equal(rows.cpu(), expected), f"{rid} [{start}, {end})"
         if self.cache.stats()["host_read_rows"] > host_reads:
             self.COUNTS["reads_from_host"] += 1
 
@@ -278,5 +281,6 @@ def test_the_host_tier_under_random_traffic(backend):
     run_state_machine(machine, BUDGETS[backend])
     print(f"\n[{backend}] " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if not k.startswith("_")))
     for what in ("demotions", "reads_from_host", "seeds_from_host", "whole_prompt_hits", "prefix_hits",
-                 "cache_full", "imports", "releases", "host_evictions", "resets", "rewinds", "rewinds_into_prefix"):
+                 "cache_full", "imports", "releases", "host_evictions", "resets", "rewinds", "rewinds_into_prefix",
+                 "pool_torch.uint8", "pool_torch.uint16"):
         assert counts[what] > 0, f"the state machine never exercised {what}: {dict(counts)}"
