@@ -59,8 +59,8 @@ from routed_experts_cache import (
     RoutedExpertsCacheError,
 )
 
-# (row_shape, pool dtype): one-byte routing ids, two-byte ones (more than 256 experts:
-# DeepSeek-V3, Kimi-K2), and a wide signed pool with odd-sized rows
+# (row_shape, pool dtype): one-byte routing ids, two-byte ones (more than 256 experts, as
+# Kimi-K2's 384), and a wide signed pool with odd-sized rows
 ROW_CONFIGS = (((3, 2), torch.uint8), ((2, 3), torch.uint16), ((5,), torch.int32))
 MAX_LIVE = 4
 BASE_LEN = 32  # tokens of each shared prefix family
