@@ -156,12 +156,14 @@ def main() -> None:
             samples, outputs = replay_alternating(setup, events, builds, args.rounds)
             if not same_outputs(*outputs.values()):
                 raise SystemExit(f"{concurrency} requests: the two revisions returned different rows")
-            median = {name: {
-                "bookkeeping": statistics.median(sum(s[h][1] - s[h][2] for h in HOOKS) for s in steps) * 1e3,
-                "bookkeeping_mean": statistics.fmean(sum(s[h][1] - s[h][2] for h in HOOKS) for s in steps) * 1e3,
-                "begin_step": statistics.median(s["begin_step"][1] for s in steps) * 1e3,
-            } for name, steps in samples.items()}
-            new, old = median["this checkout"], median[args.against]
+            figures = {}
+            for name, steps in samples.items():
+                per_step = [sum(s[h][1] - s[h][2] for h in HOOKS) for s in steps]
+                figures[name] = {
+                    "bookkeeping": statistics.median(per_step) * 1e3, "bookkeeping_mean": statistics.fmean(per_step) * 1e3,
+                    "begin_step": statistics.median(s["begin_step"][1] for s in steps) * 1e3,
+                }
+            new, old = figures["this checkout"], figures[args.against]
             rows.append({
                 "vllm": VLLM_VERSION, "concurrency": concurrency, "output_tokens": "-".join(map(str, args.output_tokens)),
                 "against": args.against, "bookkeeping_ms": new["bookkeeping"], "against_bookkeeping_ms": old["bookkeeping"],

@@ -87,17 +87,11 @@ def token_rows(tokens: tuple, row_shape: tuple, dtype: torch.dtype) -> torch.Ten
     numel = 1
     for d in row_shape:
         numel *= d
-    out = []
+    width, out = dtype.itemsize, []  # ids over the pool dtype's whole range
     for p in range(len(tokens)):
-        if dtype == torch.uint8:
-            digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=numel).digest()
-            out.append(list(digest))
-        elif dtype == torch.uint16:  # the whole range, 0 .. 65535
-            digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=2 * numel).digest()
-            out.append([int.from_bytes(digest[2 * i : 2 * i + 2], "little") for i in range(numel)])
-        else:
-            digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=4 * numel).digest()
-            out.append([int.from_bytes(digest[4 * i : 4 * i + 4], "little", signed=True) for i in range(numel)])
+        digest = hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=width * numel).digest()
+        out.append([int.from_bytes(digest[width * i : width * (i + 1)], "little", signed=dtype.is_signed)
+                    for i in range(numel)])
     return torch.tensor(out, dtype=torch.int64).view(len(tokens), *row_shape)
 
 
