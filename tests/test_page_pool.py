@@ -1,8 +1,10 @@
 """PagePool on its own: the eviction order, publication of duplicates and the allocation
-look-ahead the cache relies on to copy rows before it changes any state."""
+look-ahead the cache relies on to copy rows before it changes any state, and the invariant
+check (`problems`) the property tests rely on: each invariant it states is reported when broken."""
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,3 +200,81 @@ def test_a_hash_pinned_and_published_in_one_step_goes_in_the_order_of_the_calls(
         cache.add_block_hashes_batch(order, [hashes_of[name] for name in order])
         assert cache.stats()["duplicate"] == duplicates, order
         cache.check_consistency()
+
+
+def test_a_host_eviction_counts_in_evictions_and_in_host_evictions():
+    pool = published_pool(1, [b"a"], host_pages=1)
+    pool.retain([b"a"])
+    assert pool.allocate() == 0 and pool.published == {b"a": 1}  # b"a" demoted to the host page
+    pool.release([b"a"])  # evictable on the host now
+    pool.publish(b"b", 0)
+    pool.retain([b"b"])
+    pool.unpin([b"b"])  # the publisher's pin: b"b" is retained only, so demotable
+    assert pool.allocate() == 0  # demotes b"b" onto the host page b"a" held: a host eviction
+    assert pool.published == {b"b": 1}
+    assert (pool.evictions, pool.host_evictions, pool.demotions) == (1, 1, 2)
+
+
+def test_discarding_a_block_on_the_host_frees_its_host_page_and_leaves_the_host_eviction_order():
+    """A failed copy discards the host victims ``next_pages`` named: their pages go back to the
+    host free list, and the next demotion takes one there (a stale entry left in the host
+    order would be taken again, as a hash no longer published)."""
+    pool = published_pool(1, [b"a"], host_pages=1)
+    pool.retain([b"a"])
+    pool.allocate()  # b"a" demoted to host page 1
+    pool.release([b"a"])
+    assert list(pool.host_evictable) == [b"a"]
+    pool.discard([b"a"])
+    assert pool.published == {} and not pool.host_evictable and list(pool.host_free) == [1]
+    pool.publish(b"b", 0)
+    pool.retain([b"b"])
+    pool.unpin([b"b"])
+    assert pool.allocate() == 0 and pool.published == {b"b": 1} and pool.host_evictions == 0
+    assert not pool.problems({0}, Counter({b"b": 1}))
+
+
+def healthy_pool() -> PagePool:
+    """Device pages 0-3, host pages 4-5: b"a" on page 0 pinned by a request, b"b" on 1
+    evictable, b"r" on 2 retained only (demotable), page 3 owned by a request; b"h" demoted to
+    host page 4, evictable there; host page 5 free."""
+    pool = PagePool(4, host_pages=2)
+    pool.publish(b"h", pool.allocate())
+    pool.retain([b"h"])
+    pool.unpin([b"h"])
+    assert [pool.allocate() for _ in range(4)] == [1, 2, 3, 0]  # the last one demotes b"h"
+    pool.release([b"h"])
+    pool.publish(b"a", 0)
+    pool.publish(b"b", 1)
+    pool.unpin([b"b"])
+    pool.publish(b"r", 2)
+    pool.retain([b"r"])
+    pool.unpin([b"r"])
+    return pool
+
+
+IN_USE, PINS = {3}, Counter({b"a": 1, b"r": 1})
+
+
+def move_to_device_order(pool: PagePool) -> None:
+    """The host block listed in the device's eviction order: the union of both orders is right."""
+    del pool.host_evictable[b"h"]
+    pool.evictable[b"h"] = None
+
+
+@pytest.mark.parametrize("problem, corrupt, in_use", [
+    ("two hashes share a page", lambda pool: pool.published.__setitem__(b"z", 0), IN_USE),
+    ("a request owns a host page", lambda pool: None, IN_USE | {5}),
+    ("a free page is also in use", lambda pool: pool.free.append(1), IN_USE),
+    ("1 pages are in no state", lambda pool: pool.host_free.clear(), IN_USE),
+    ("pin counts differ", lambda pool: pool.pins.__setitem__(b"a", 2), IN_USE),
+    ("the evictable sets differ", lambda pool: pool.evictable.pop(b"b"), IN_USE),
+    ("the evictable sets differ", move_to_device_order, IN_USE),
+    ("the demotable set differs", lambda pool: pool.demotable.pop(b"r"), IN_USE),
+])
+def test_the_invariant_check_reports_each_way_the_pool_can_break(problem, corrupt, in_use):
+    """``problems`` is the oracle of the property tests: each invariant it states, once broken,
+    is reported."""
+    pool = healthy_pool()
+    assert pool.problems(IN_USE, PINS) == []
+    corrupt(pool)
+    assert any(problem in line for line in pool.problems(in_use, PINS)), pool.problems(in_use, PINS)
