@@ -1602,3 +1602,45 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
         assert taken[0] == [True] * (len(steps) - 1) and stats["evictions"] == 0  # every decode step: array passes
     else:
         assert True in taken[0] and False in taken[0] and stats["evictions"] > 0  # declined once free pages ran out
+
+
+# ------------------------------- checks of the checks: the property tests' oracle, refusal messages
+
+
+def two_requests() -> RoutedExpertsCache:
+    """"a": blocks 0 (published), 1 (pending) and a 2-row tail; "b": block 0 pending."""
+    cache = RoutedExpertsCache(8, 4, (2,))
+    cache.capture("a", 0, torch.zeros(10, 2, dtype=torch.uint8))
+    cache.add_block_hashes("a", [b"a0"])
+    cache.capture("b", 0, torch.ones(4, 2, dtype=torch.uint8))
+    return cache
+
+
+def share_a_page(cache):
+    cache._requests["b"].own_pages.append(cache._requests["a"].own_pages[-1])
+
+
+@pytest.mark.parametrize("problem, corrupt", [
+    ("a page is owned by two requests", share_a_page),
+    ("slot arrays disagree", lambda cache: cache._slots.first_block.__setitem__(cache._requests["a"].slot, 1)),
+    ("block table disagrees", lambda cache: cache._slots.table.__setitem__((cache._requests["a"].slot, 1), 7)),
+    ("are not all settled", lambda cache: setattr(cache._requests["b"], "num_settled", 1)),
+])
+def test_the_consistency_check_reports_each_way_the_block_maps_can_break(problem, corrupt):
+    """``check_consistency`` is what the property tests assert after every call: each
+    invariant of the block maps it states, once broken, is reported."""
+    cache = two_requests()
+    cache.check_consistency()
+    corrupt(cache)
+    with pytest.raises(RoutedExpertsCacheError, match=problem):
+        cache.check_consistency()
+
+
+def test_a_negative_span_value_is_named_in_the_refusal():
+    cache = two_requests()
+    rows = torch.zeros(4, 2, dtype=torch.uint8)
+    for index, name in enumerate(("start", "source_start", "count")):
+        span = [10, 0, 2]
+        span[index] = -1
+        with pytest.raises(RoutedExpertsCacheError, match=f"'a': {name} must be >= 0, got -1"):
+            cache.capture_batch(rows, ["a"], *([value] for value in span))

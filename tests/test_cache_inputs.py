@@ -3,8 +3,9 @@ refused ones raise the project's typed error and change nothing.
 
 - Rows of every integer dtype (int8 ... int64, uint8 ... uint64) with values at the limits of
   their dtype and of each pool dtype (one past them too), laid out contiguous, with a
-  storage offset, strided, transposed or expanded, through ``capture`` and ``capture_batch``
-  (continuing spans, first captures, and two spans of the same source rows); rows on the
+  storage offset, strided, transposed or expanded, through ``capture``, ``capture_batch``
+  (continuing spans, first captures, and two spans of the same source rows) and
+  ``import_blocks`` (a page of rows computed elsewhere, read back through the index); rows on the
   ``meta`` device, of non-integer dtypes, and rows whose conversion to the pool fails (a
   simulated device out-of-memory).
 - A wrong Python value in every argument position of every public call, the batched calls'
@@ -109,9 +110,9 @@ def laid_out(values: torch.Tensor, layout: str, offset: int) -> torch.Tensor:
 
 
 @st.composite
-def row_sources(draw, pool_dtype):
+def row_sources(draw, pool_dtype, rows=st.integers(1, 6)):
     """(source tensor, its values as int64 or None when unrepresentable, expected to fit)."""
-    n = draw(st.integers(1, 6), label="n")
+    n = draw(rows, label="n")
     kind = draw(st.sampled_from(("integer",) * 6 + REFUSED_SOURCES), label="kind")
     if kind == "float":
         return torch.zeros((n, *ROW), dtype=torch.float32), None, False
@@ -137,6 +138,9 @@ def row_sources(draw, pool_dtype):
     return source, flat, fits
 
 
+ROW_APIS = sorted(["capture", "capture_new", "capture_batch", "capture_batch_two", "capture_batch_new", "import_blocks"])
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_rows_of_any_dtype_and_layout_are_stored_exactly_or_refused_without_change(backend):
     run = settings(
@@ -149,9 +153,11 @@ def test_rows_of_any_dtype_and_layout_are_stored_exactly_or_refused_without_chan
 def check_one_capture(backend, data):
     pool_dtype = data.draw(st.sampled_from(POOL_DTYPES), label="pool_dtype")
     cache = populated(backend, pool_dtype)
-    source, flat, fits = data.draw(row_sources(pool_dtype), label="source")
+    api = data.draw(st.sampled_from(ROW_APIS), label="api")
+    importing = api == "import_blocks"  # one block: exactly a page of rows
+    source, flat, fits = data.draw(row_sources(pool_dtype, st.just(PAGE) if importing else st.integers(1, 6)), label="source")
     n = source.shape[0]
-    # api -> (the call, the request and start it captures, a second one given the same rows)
+    # api -> (the call, the request and start it reads back, a second one given the same rows)
     apis = {
         "capture": (lambda: cache.capture("a", 6, source), "a", 6, None),
         "capture_new": (lambda: cache.capture("c", 0, source), "c", 0, None),
@@ -160,8 +166,11 @@ def check_one_capture(backend, data):
         "capture_batch_two": (lambda: cache.capture_batch(source, ["b", "a"], [3, 6], [0, 0], [n, n]), "a", 6, ("b", 3)),
         # a first capture (the per-request path) next to a continuing span (the array path)
         "capture_batch_new": (lambda: cache.capture_batch(source, ["c", "a"], [0, 6], [0, 0], [n, n]), "a", 6, ("c", 0)),
+        # rows computed elsewhere, published as one block; "i" reads them through the index
+        "import_blocks": (lambda: cache.import_blocks([b"z0"], source), "i", 0, None),
     }
-    call, request_id, start, also = apis[data.draw(st.sampled_from(sorted(apis)), label="api")]
+    assert sorted(apis) == ROW_APIS
+    call, request_id, start, also = apis[api]
     before = observe(cache)
     if not fits:
         with pytest.raises(InvalidCaptureError):
@@ -171,6 +180,8 @@ def check_one_capture(backend, data):
         return
     call()
     cache.check_consistency()
+    if importing:
+        cache.add_block_hashes("i", [b"z0"])
     want = torch.tensor(flat, dtype=torch.int64).reshape(n, *ROW)
     assert torch.equal(cache.read(request_id, start, start + n).cpu().to(torch.int64), want)
     if also is not None:
@@ -215,6 +226,7 @@ def valid(kind: str, value) -> bool:
 
 
 ROWS2 = torch.arange(12).reshape(2, *ROW)
+ROWS_OF_A_PAGE = torch.arange(PAGE * 6).reshape(PAGE, *ROW)
 # call name -> (function of the argument list, the valid arguments, their kinds, the error type)
 CALLS = {
     "capture": (lambda c, a: c.capture(*a), ("a", 6, ROWS2), ("id", "position", "rows"), RoutedExpertsCacheError),
@@ -248,6 +260,10 @@ CALLS = {
     "slots": (lambda c, a: c.slots([a[0]]), ("a",), ("id",), RoutedExpertsCacheError),
     "finish": (lambda c, a: c.finish(a[0]), ("a",), ("id",), RoutedExpertsCacheError),
     "rewind": (lambda c, a: c.rewind(*a), ("a", 2), ("id", "position"), RoutedExpertsCacheError),
+    "import_blocks": (lambda c, a: c.import_blocks([a[0]], a[1]), (b"z0", ROWS_OF_A_PAGE), ("hash", "rows"),
+                      InvalidCaptureError),
+    "import_blocks sequence": (lambda c, a: c.import_blocks(a[0], ROWS_OF_A_PAGE), ([b"z0"],), ("sequence",),
+                               InvalidCaptureError),
 }
 
 
@@ -327,6 +343,29 @@ def test_positions_past_the_limit_are_refused_in_every_call_without_change(backe
         POSITION_CALLS[call_name](cache, 64 + past)
     assert_unchanged(before, observe(cache))
     cache.check_consistency()
+
+
+# The largest position each call of POSITION_CALLS takes: captures end past it by their rows
+# (two, or one in the batched spans), reads by one row where the position is a start.
+AT_THE_LIMIT = {"capture": 62, "capture continuing": 62, "capture_batch start": 63, "capture_batch continuing": 63,
+                "read end": 64, "read start": 63, "read_batch": 64, "read_batch start": 63, "rewind": 64}
+
+
+@pytest.mark.parametrize("call_name", sorted(POSITION_CALLS))
+def test_positions_at_the_limit_pass_its_check_in_every_call(call_name):
+    """The limit is inclusive: at ``max_position`` (64 here) no call refuses for it. The call
+    may still refuse for another reason (a first capture off a page boundary, rows that do
+    not exist), never naming the limit."""
+    cache = RoutedExpertsCache(6, PAGE, ROW, device=TEST_DEVICE, max_position=64)
+    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
+    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    try:
+        POSITION_CALLS[call_name](cache, AT_THE_LIMIT[call_name])
+    except RoutedExpertsCacheError as error:
+        assert "max_position" not in str(error)
+    with pytest.raises(RoutedExpertsCacheError, match="max_position 64"):
+        POSITION_CALLS[call_name](cache, AT_THE_LIMIT[call_name] + 1)
+
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("call_name", ["capture_step", "capture_step_small"])
