@@ -216,6 +216,30 @@ def test_metadata_that_goes_backwards_is_refused():
     check_output(out, "a", 3, 4)
 
 
+@pytest.mark.parametrize("small_batch", [batch_size.SMALL_BATCH, 0])  # the plain pass, the array pass
+@pytest.mark.parametrize("rejected, scheduled", [(3, 2), (-1, 2), (0, 0)],
+                         ids=["more rejected than scheduled", "negative", "no rows scheduled"])
+def test_invalid_acceptance_counts_are_refused_naming_the_request(monkeypatch, small_batch, rejected, scheduled):
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", small_batch)
+    driver = Driver()
+    two_requests(driver)
+    before = driver.cache.stats()
+    with pytest.raises(ConnectorStateError, match=rf"request 'b': invalid step rows \({scheduled} scheduled, {rejected} rejected\)"):
+        driver.step(metadata({"a": 7, "b": 5}), [("a", 7, 1), ("b", 5, scheduled)], rejected=[0, rejected])
+    assert driver.cache.stats() == before
+    driver.expect_rows("a", 0, 7)
+    driver.expect_rows("b", 0, 5)
+
+
+def test_acceptance_counts_for_fewer_requests_than_the_step_are_refused():
+    driver = Driver()
+    two_requests(driver)
+    before = driver.cache.stats()
+    with pytest.raises(ConnectorStateError, match=r"acceptance counts for 2 / 1 of 2 requests"):
+        driver.step(metadata({"a": 7, "b": 5}), [("a", 7, 1), ("b", 5, 1)], rejected=[0])
+    assert driver.cache.stats() == before
+
+
 def test_capture_that_skips_positions_is_refused_and_others_stay_readable():
     driver = Driver()
     two_requests(driver)

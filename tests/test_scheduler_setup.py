@@ -58,6 +58,22 @@ def test_the_factory_builds_a_pool_sized_by_build_cache_as_vllm_sets_it_up():
     assert torch.equal(connector._capturer.snapshot_routing_data(5), rows.to(torch.uint8))
 
 
+def test_a_byte_budget_sizes_the_shared_pages_and_drafts_extend_the_position_limit():
+    """``aux_output_config.max_bytes`` (vLLM's budget for routed-experts storage) replaces the
+    pages derived from the KV cache; the working set stays. Draft rows run past the last
+    token, so positions are accepted up to ``max_model_len`` plus the drafts."""
+    setup = make_scheduler(lookahead=1)
+    capturer = build_connector_like_vllm(setup)._capturer
+    derived = build_cache(setup.vllm_config, setup.kv_cache_config, capturer)
+    working_set = derived.num_pages - 2 * setup.kv_cache_config.num_blocks  # as the test above finds it
+    page_nbytes = derived.page_size * int(np.prod(ROW_SHAPE)) * derived.dtype.itemsize
+    setup.vllm_config.aux_output_config.max_bytes = 10 * page_nbytes + page_nbytes // 2
+    budgeted = build_cache(setup.vllm_config, setup.kv_cache_config, capturer)
+    assert budgeted.num_pages == 10 + working_set
+    drafts = setup.vllm_config.speculative_config.num_speculative_tokens
+    assert drafts > 0 and derived.max_position == setup.vllm_config.model_config.max_model_len + drafts
+
+
 def test_a_second_initialisation_is_refused_and_keeps_the_pool():
     setup = make_scheduler(lookahead=1)
     connector = build_connector_like_vllm(setup)
