@@ -76,14 +76,22 @@ HASHES = [b"a", b"b", b"c", b"d", b"e", b"f"]
     retained=st.lists(st.sampled_from(HASHES), max_size=6),
     pinned=st.lists(st.sampled_from(HASHES), max_size=8),
     unpins=st.lists(st.sampled_from(HASHES), max_size=8),
+    on_host=st.lists(st.sampled_from(HASHES), unique=True, max_size=4),
 )
 def test_next_pages_names_exactly_what_the_allocations_after_the_unpins_take(
-    num_pages, host_pages, published, retained, pinned, unpins
+    num_pages, host_pages, published, retained, pinned, unpins, on_host
 ):
     """The cache writes rows to ``next_pages`` (device pages, and the host pages of demoted
-    blocks) before it unpins and allocates: both must agree, evictions and demotions included."""
+    blocks) before it unpins and allocates: both must agree, evictions and demotions included,
+    also of blocks already on the host (``on_host``: demoted first, then evictable there)."""
     published = published[:num_pages]
     pool = published_pool(num_pages, published, host_pages)
+    on_host = [h for h in on_host if h in pool.published]
+    pool.retain(on_host)
+    while pool.demotable and pool.room():  # the device fills (pages owned elsewhere) until they are demoted
+        pool.allocate()
+    pool.release(on_host)
+    demotions_before, host_evictions_before = pool.demotions, pool.host_evictions
     pool.retain(retained)
     pool.pin(pinned)
     unpins = list((Counter(unpins) & (Counter(pool.pins) - Counter(pool.retained))).elements())  # only request pins that are held
@@ -91,14 +99,31 @@ def test_next_pages_names_exactly_what_the_allocations_after_the_unpins_take(
     count = pool.room(len(releasing))
     pages, victims, demotions = pool.next_pages(count, releasing)
     demoted = list(pool.demotable)[: len(demotions)]
+    host_victims = list(pool.host_evictable)[: max(0, len(demotions) - len(pool.host_free))]
     pool.unpin(unpins)
     assert list(pool.evictable)[len(pool.evictable) - len(releasing) :] == releasing
     assert victims[: len(pages) - len(demotions)] == list(pool.evictable)[: len(pages) - len(demotions)]
+    assert victims[len(pages) - len(demotions) :] == host_victims  # the demotions' host pages, once free ones ran out
     assert [pool.allocate() for _ in range(count)] == pages
+    assert pool.published.keys().isdisjoint(victims) and pool.host_evictions - host_evictions_before == len(host_victims)
     assert [(pages[len(pages) - len(demotions) + i], pool.published[h]) for i, h in enumerate(demoted)] == demotions
     assert not pool.evictable and not pool.free
     assert len(set(pages)) == len(pages) and all(page < num_pages for page in pages)
-    assert pool.demotions == len(demotions) and all(pool.on_host(pool.published[h]) for h in demoted)
+    assert pool.demotions - demotions_before == len(demotions) and all(pool.on_host(pool.published[h]) for h in demoted)
+
+
+def test_a_demotion_takes_a_free_host_page_before_it_evicts_a_block_on_the_host():
+    pool = PagePool(2, host_pages=2)
+    pool.publish(b"h", pool.allocate())
+    pool.retain([b"h"])
+    pool.unpin([b"h"])
+    assert [pool.allocate(), pool.allocate()] == [1, 0]  # the second demotes b"h" to host page 2
+    pool.release([b"h"])  # evictable on the host; host page 3 is free
+    pool.publish(b"r", 0)
+    pool.retain([b"r"])
+    pool.unpin([b"r"])
+    assert pool.next_pages(1, []) == ([0], [], [(0, 3)])  # b"h" stays: no victim
+    assert pool.allocate() == 0 and pool.published == {b"h": 2, b"r": 3} and pool.host_evictions == 0
 
 
 def test_a_retained_block_is_demoted_only_when_the_device_is_full_and_comes_back_evictable_on_the_host():
