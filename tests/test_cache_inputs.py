@@ -54,9 +54,9 @@ class UnconvertibleRows(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def populated(backend: str, pool_dtype: torch.dtype) -> RoutedExpertsCache:
-    """'a': 6 rows, block 0 published; 'b': 3 rows; 3 of 6 pages free."""
-    cache = RoutedExpertsCache(6, PAGE, ROW, dtype=pool_dtype, device=TEST_DEVICE, backend=backend)
+def populated(backend: str, pool_dtype: torch.dtype = torch.uint8, **limit) -> RoutedExpertsCache:
+    """'a': 6 rows, block 0 published; 'b': 3 rows; 3 of 6 pages free (``limit``: max_position)."""
+    cache = RoutedExpertsCache(6, PAGE, ROW, dtype=pool_dtype, device=TEST_DEVICE, backend=backend, **limit)
     cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
     cache.add_block_hashes("a", [b"a0"])
     cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
@@ -341,10 +341,7 @@ def test_positions_past_the_limit_are_refused_in_every_call_without_change(backe
     """A position past ``max_position`` (here 64, and the default) is refused by every call
     that takes one, with a typed error and nothing changed (no request registered, no page
     taken, no counter moved), before any arithmetic on it can overflow or allocate."""
-    cache = RoutedExpertsCache(6, PAGE, ROW, device=TEST_DEVICE, backend=backend, max_position=64)
-    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
-    cache.add_block_hashes("a", [b"a0"])
-    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    cache = populated(backend, max_position=64)
     before = observe(cache)
     with pytest.raises(RoutedExpertsCacheError, match="max_position 64"):
         POSITION_CALLS[call_name](cache, 64 + past)
@@ -363,9 +360,7 @@ def test_positions_at_the_limit_pass_its_check_in_every_call(call_name):
     """The limit is inclusive: at ``max_position`` (64 here) no call refuses for it. The call
     may still refuse for another reason (a first capture off a page boundary, rows that do
     not exist), never naming the limit."""
-    cache = RoutedExpertsCache(6, PAGE, ROW, device=TEST_DEVICE, max_position=64)
-    cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
-    cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
+    cache = populated("auto", max_position=64)
     try:
         POSITION_CALLS[call_name](cache, AT_THE_LIMIT[call_name])
     except RoutedExpertsCacheError as error:
