@@ -127,9 +127,9 @@ def test_unpack_hashes_gives_what_vllms_packed_hashes_yield(item_size):
 
     data = bytes(range(256))[: item_size * 7]
     packed = PackedBlockHashes(data=data, item_size=item_size)
-    assert step_hashes.unpack_hashes(packed) == list(packed) and len(list(packed)) == 7
-    assert step_hashes.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size)) == []
-    assert step_hashes.unpack_hashes([b"a", b"bc"]) == [b"a", b"bc"]  # any other iterable: as a list
+    assert step_hashes.unpack_hashes(packed, "request 'r'") == list(packed) and len(list(packed)) == 7
+    assert step_hashes.unpack_hashes(PackedBlockHashes(data=b"", item_size=item_size), "request 'r'") == []
+    assert step_hashes.unpack_hashes([b"a", b"bc"], "request 'r'") == [b"a", b"bc"]  # any other iterable: as a list
 
 
 @pytest.mark.parametrize("counts", [[], [0], [1, 0, 3], [2] * 5, [1] * 6, [7, 0, 11, 1], [40, 3, 0, 25]])
@@ -160,6 +160,8 @@ def test_step_hashes_unpack_as_vllms_packed_hashes_yield(counts, item_size):
         assert hashes.retained == hashes.released == [] and hashes.hash_lists == [list(v) for v in values.values()]
     assert step_hashes.packed_layout([PackedBlockHashes(b"abcde", 2)]) is None  # a short last item
     assert step_hashes.packed_layout([PackedBlockHashes(b"ab", 2), PackedBlockHashes(b"abc", 3)]) is None
+    assert step_hashes.packed_layout([PackedBlockHashes(b"a", 1), PackedBlockHashes(b"b", True)]) is None  # 1 == True
+    assert step_hashes.packed_layout([]) == (1, [], [])  # a step without hashes
     assert step_hashes.packed_layout([[b"ab"]]) is None  # not packed: unpacked one by one, checked
 
 
@@ -175,6 +177,40 @@ def test_step_hashes_that_are_not_packed_are_checked():
     metadata.block_hashes = {"a": [b"ok"]}
     metadata.released_block_hashes = [b""]
     with pytest.raises(InvalidCaptureError, match="released hashes"):
+        step_hashes.StepHashes(metadata)
+    metadata.released_block_hashes, metadata.retained_block_hashes = None, [b"ok", "not bytes"]
+    with pytest.raises(InvalidCaptureError, match="retained hashes.*'not bytes'"):
+        step_hashes.StepHashes(metadata)
+
+
+@pytest.mark.parametrize("item_size", [0, -2, 2.0, "2", None])
+def test_packed_hashes_with_a_bad_item_size_are_refused_by_owner(item_size):
+    """vLLM's iterator raises a bare error on such a value, or yields nothing (a negative size):
+    the step is refused with a typed error naming the request or the pins, never read short."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata, PackedBlockHashes
+
+    bad, good = PackedBlockHashes(b"abcd", item_size), PackedBlockHashes(b"abcd", 2)
+    assert step_hashes.packed_layout([bad]) is None and step_hashes.packed_layout([good, bad]) is None
+    for where, fields in (  # pins: fields of vLLM 0.33 and later, set on 0.32's metadata
+        ("request 'b'", {"block_hashes": {"a": good, "b": bad}}),
+        ("retained hashes", {"block_hashes": {"a": good}, "retained_block_hashes": bad}),
+        ("released hashes", {"block_hashes": {"a": good}, "released_block_hashes": bad}),
+    ):
+        metadata = AuxOutputConnectorMetadata(generation=0, requests={}, block_hashes={}, finished_requests=())
+        vars(metadata).update(fields)
+        with pytest.raises(InvalidCaptureError, match=f"{where}: packed block hashes need a positive integer item size"):
+            step_hashes.StepHashes(metadata)
+
+
+@pytest.mark.parametrize("data", [bytearray(b"abcd"), memoryview(b"abcd"), "abcd"])
+def test_packed_hashes_whose_data_is_not_bytes_are_refused(data):
+    """Not the layout vLLM sends: iterated as vLLM would, and refused as hashes that are not bytes."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata, PackedBlockHashes
+
+    packed = PackedBlockHashes(data, 2)
+    assert step_hashes.packed_layout([packed]) is None
+    metadata = AuxOutputConnectorMetadata(generation=0, requests={}, block_hashes={"a": packed}, finished_requests=())
+    with pytest.raises(InvalidCaptureError, match="request 'a': block hashes must be non-empty bytes"):
         step_hashes.StepHashes(metadata)
 
 

@@ -16,32 +16,40 @@ from operator import attrgetter
 import numpy as np
 
 from ..checks import all_hashes, check_hashes, checked_hash_lists
+from ...errors import InvalidCaptureError
 
 ITEM_SIZE, DATA = attrgetter("item_size"), attrgetter("data")
 SLICED_ITEMS = 16  # below it, slicing each item beats numpy's fixed cost
 
 
-def unpack_hashes(packed) -> list[bytes]:
+def unpack_hashes(packed, owner: str) -> list[bytes]:
     """The hashes of vLLM's ``PackedBlockHashes`` (one bytes object, fixed-size items), sliced
-    in one comprehension instead of its per-item generator; other iterables as a list."""
+    in one comprehension instead of its per-item generator; other iterables as a list. An item
+    size that is not a positive integer is refused, naming ``owner``: vLLM's iterator would
+    raise a bare error on it, or yield nothing and lose the hashes."""
     data, size = getattr(packed, "data", None), getattr(packed, "item_size", None)
     if type(data) is bytes and type(size) is int and size > 0:
         return [data[i : i + size] for i in range(0, len(data), size)]
+    if hasattr(packed, "item_size") and not (isinstance(size, int) and size > 0):
+        raise InvalidCaptureError(f"{owner}: packed block hashes need a positive integer item size, got {size!r}")
     return list(packed)
 
 
 def packed_layout(values: list) -> tuple[int, list[bytes], list[int]] | None:
     """``(item size, data, data lengths)`` of several ``PackedBlockHashes`` with one item size;
     None when any of them is not such a value (a list, a bytes-like ``data``, an item size that
-    does not divide its data: vLLM's iterator would yield a short last item)."""
+    does not divide its data: vLLM's iterator would yield a short last item). Item sizes are
+    compared as ints (``2.0 == 2``, ``True == 1``: a set would fold them together)."""
     try:
-        sizes, datas = set(map(ITEM_SIZE, values)), list(map(DATA, values))
+        sizes, datas = list(map(ITEM_SIZE, values)), list(map(DATA, values))
     except AttributeError:
         return None
-    if len(sizes) != 1:
-        return (1, [], []) if not values else None
-    size = sizes.pop()
-    if type(size) is not int or size <= 0 or not set(map(type, datas)) <= {bytes}:
+    if not values:
+        return 1, [], []
+    size = sizes[0]
+    if set(map(type, sizes)) != {int} or sizes.count(size) != len(sizes) or size <= 0:
+        return None
+    if not set(map(type, datas)) <= {bytes}:
         return None
     lengths = list(map(len, datas))
     if any(map(size.__rmod__, lengths)):
@@ -76,7 +84,9 @@ class StepHashes:
         self._layout = packed_layout(values)
         self._lists: list[list[bytes]] | None = None
         if self._layout is None:  # not vLLM's packed values: unpacked and checked now
-            self._lists = list(map(unpack_hashes, values))
+            owners = [*(f"request {request_id!r}" for request_id in self.request_ids),
+                      *(name for name, value in zip(("retained hashes", "released hashes"), pins) if value)]
+            self._lists = list(map(unpack_hashes, values, owners))
             if not all_hashes(list(chain.from_iterable(self._lists))):
                 checked_hash_lists(self.request_ids, self.hash_lists)
                 check_hashes(self.retained, "retained hashes")
