@@ -12,8 +12,10 @@ oracle. Without the rows, or with rows that do not fit the model, the decode rec
 prompt; its rows are exact as well.
 """
 
+import base64
 import copy
 import itertools
+import logging
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from cpu_harness.vllm_scheduler import (  # first: fails with a clear message ou
     SimEngine, build_our_connector, make_request, make_scheduler, random_prompt,
 )
 from cpu_harness.vllm_scheduler.multi_turn import TierRun, observe_hits
-from routed_experts_cache.connector.vllm.row_transfer import MAX_BYTES_ENV, ROWS_KEY
+from routed_experts_cache.connector.vllm.row_transfer import MAX_BYTES_ENV, ROWS_KEY, decode_rows, encode_rows
 
 _STORES = itertools.count()
 
@@ -83,10 +85,12 @@ def test_without_usable_rows_the_decode_recomputes_the_prompt_with_exact_rows(da
         params = {}
     else:
         bad = copy.deepcopy(entry)
+        # Each damage alone makes the entry unusable: shape and dtype keep the data's length right.
         if damage == "wrong_shape":
-            bad["shape"] = [bad["shape"][0], bad["shape"][2], bad["shape"][1] + 1]
+            bad["shape"] = [bad["shape"][0] * bad["shape"][1], 1, bad["shape"][2]]
         elif damage == "wrong_dtype":
-            bad["dtype"] = "uint16"
+            wide = np.frombuffer(base64.b64decode(bad["data"]), dtype=np.uint8).astype(np.uint16)
+            bad["dtype"], bad["data"] = "uint16", base64.b64encode(wide.tobytes()).decode("ascii")
         elif damage == "truncated_data":
             bad["data"] = bad["data"][:-8]
         elif damage == "start":
@@ -107,6 +111,59 @@ def test_rows_over_the_size_limit_are_not_exported(monkeypatch):
     assert params["r"] is None or ROWS_KEY not in params["r"]
     decode(d_setup, d_engine, prompts, {"r": params["r"]} if params["r"] else {})
     assert run.decisions["r"].accepted == 0  # recomputed
+
+
+def test_a_request_that_asks_for_no_export_gets_no_rows_in_its_params():
+    (p_setup, p_engine), _, _ = pd_pair()
+    rng = np.random.default_rng(8)
+    for request_id, params in (("plain", None), ("other", {"some_connector_field": 1})):
+        p_engine.add(make_request(p_setup, request_id, random_prompt(rng, 40), 3, kv_transfer_params=params))
+    p_engine.flush()
+    p_engine.check_all_finished()
+    assert all(ROWS_KEY not in (p_engine.kv_transfer_params.get(r) or {}) for r in ("plain", "other"))
+
+
+def test_export_size_limit_is_inclusive_and_logged(caplog):
+    rows = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2)
+    entry = encode_rows("r", rows, limit=rows.nbytes)
+    assert entry is not None and np.array_equal(decode_rows(entry, (3, 2), "uint8"), rows)
+    with caplog.at_level(logging.WARNING, logger="vllm.routed_experts_cache"):
+        assert encode_rows("r", rows, limit=rows.nbytes - 1) is None
+    assert f"rows of request r ({rows.nbytes} bytes) exceed {MAX_BYTES_ENV}={rows.nbytes - 1}" in caplog.text
+
+
+def _damaged(entry: dict, **changes) -> dict:
+    return {**entry, **changes}
+
+
+def test_each_check_of_an_import_entry_refuses_alone():
+    """Every field of an import entry is checked on its own: a damage the other checks let
+    through (the data's length kept right) is still refused, with the reason named."""
+    rows = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)
+    good = encode_rows("r", rows, limit=1 << 20)
+    wide = base64.b64encode(rows.astype(np.uint16).tobytes()).decode("ascii")
+    refused = [
+        ("not a dict", [good], "is a list, not a dict"),
+        ("start", _damaged(good, start=4), "rows start at 4, not 0"),
+        ("no start", {key: value for key, value in good.items() if key != "start"}, "rows start at None"),
+        ("dtype", _damaged(good, dtype="int8"), "rows are 'int8'"),
+        ("model's dtype", _damaged(good, dtype="uint16", data=wide), "this model's are uint8"),
+        ("shape type", _damaged(good, shape=(4, 3, 2)), "is not [tokens, layers, top_k]"),
+        ("shape length", _damaged(good, shape=[4, 6]), "is not [tokens, layers, top_k]"),
+        ("bool dim", _damaged(good, shape=[24, True, 1]), "is not [tokens, layers, top_k]"),
+        ("negative dim", _damaged(good, shape=[-4, 3, 2]), "is not [tokens, layers, top_k]"),
+        ("model's shape", _damaged(good, shape=[4, 2, 3]), "rows of shape (2, 3), this model's are (3, 2)"),
+        ("data type", _damaged(good, data=rows.tobytes()), "data does not hold 24 uint8 values"),
+        ("not base64", _damaged(good, data="!" + good["data"][1:]), "data does not hold 24 uint8 values"),
+        ("data length", _damaged(good, data=good["data"][:-4]), "data does not hold 24 uint8 values"),
+    ]
+    for name, entry, reason in refused:
+        result = decode_rows(entry, (3, 2), "uint8")
+        assert isinstance(result, str) and reason in result, (name, result)
+    # Where the model is unknown here (vLLM 0.32's scheduler), shape and dtype are checked alone.
+    assert isinstance(decode_rows(_damaged(good, shape=[24, True, 1]), None, None), str)
+    assert np.array_equal(decode_rows(_damaged(good, dtype="uint16", data=wide), None, None), rows.astype(np.uint16))
+    assert np.array_equal(decode_rows(good, None, None), rows)
 
 
 def _config_with(connector: str, prefix_caching: bool = True):
