@@ -134,6 +134,30 @@ def test_retention_capacity_is_the_gpu_kv_plus_the_tier_the_connector_reports(kv
             retained_blocks(setup.vllm_config, setup.kv_cache_config)
 
 
+@pytest.mark.parametrize("kv_connector, extra", [
+    ("OffloadingConnector", {"cpu_bytes_to_use": 40 * 4096, "blocks_per_chunk": 2}),
+    ("OffloadingConnector", {"cpu_bytes_to_use": 40 * 4096, "block_size": 8}),  # 2 GPU blocks per chunk
+    ("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 40 * 4096}),
+    ("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 40 * 4096, "cpu_bytes_to_use_per_rank": 20 * 4096}),
+    ("SimpleCPUOffloadConnector", {"kv_offload_backend": "disk", "disk_capacity_bytes": 50 * 4096}),
+])
+def test_a_tier_sized_in_bytes_is_the_tier_the_connector_reports(kv_connector, extra, monkeypatch, tmp_path):
+    """Tiers sized as users size them (bytes, chunks, a disk backend): the same count of GPU KV
+    blocks as vLLM's own connector computes."""
+    monkeypatch.delenv(TIER_BLOCKS_ENV, raising=False)
+    if extra.get("kv_offload_backend") == "disk":
+        extra = {**extra, "disk_path": str(tmp_path)}
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=32, kv_tier=(kv_connector, extra))
+    connector = setup.scheduler.connector
+    if kv_connector == "OffloadingConnector":
+        info = connector.connector_scheduler.manager.config_info()[0]
+        reported = info["cpu_num_chunks"] * info["cpu_blocks_per_chunk"]
+    else:
+        reported = connector.scheduler_manager.num_cpu_blocks - 1
+    assert tier_blocks(setup.vllm_config, setup.kv_cache_config) == reported
+    assert setup.scheduler.aux_output_connector._capacity == 32 + reported
+
+
 def test_connectors_without_a_known_tier_keep_vllms_retention_and_all_or_nothing_hits(monkeypatch):
     """The harness's stub KV connector (tier unknown to vLLM, asserts an exact count) keeps
     ``2 x num_blocks`` and whole hits only."""

@@ -10,8 +10,9 @@ Read from vLLM 0.33's and 0.34's sources (identical in what is used here):
   ``update_state_after_alloc`` loads any smaller count (no equality check).
 - ``SimpleCPUOffloadConnector``: ``num_cpu_blocks`` (else the worker's
   ``cache_config.simple_cpu_offload_num_blocks``, else ``cpu_bytes_to_use`` -- default 8 GiB --
-  over the GPU's bytes per block), block 0 being the null block; nothing without prefix caching.
-  It loads any smaller block-aligned count.
+  over the GPU's bytes per block; with ``kv_offload_backend="disk"``, ``disk_capacity_bytes``
+  -- default 100 GiB, not divided among ranks -- instead), block 0 being the null block; nothing
+  without prefix caching. It loads any smaller block-aligned count.
 - ``ExampleConnector`` loads any count > 0. LMCache, MooncakeStore, UMBP and HF3FS assert that
   the scheduler took exactly what they offered: a hit is all or nothing for them, as for every
   connector not named here. Their tier size lives outside vLLM: ``ROUTED_EXPERTS_CACHE_TIER_BLOCKS``.
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 TIER_BLOCKS_ENV = "ROUTED_EXPERTS_CACHE_TIER_BLOCKS"  # KV blocks the connector's tier holds, where vLLM cannot tell
 PARTIAL_HIT_CONNECTORS = frozenset({"OffloadingConnector", "SimpleCPUOffloadConnector", "ExampleConnector"})
 DEFAULT_SIMPLE_CPU_BYTES = 8 << 30  # SimpleCPUOffloadConnector's cpu_bytes_to_use default
+DEFAULT_SIMPLE_DISK_BYTES = 100 << 30  # and its disk_capacity_bytes default (kv_offload_backend "disk")
 
 
 def retained_blocks(vllm_config: VllmConfig | None, kv_cache_config: KVCacheConfig) -> int:
@@ -78,8 +80,13 @@ def tier_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int 
             return 0
         num_cpu_blocks = extra.get("num_cpu_blocks") or vllm_config.cache_config.simple_cpu_offload_num_blocks
         if num_cpu_blocks is None:
-            per_rank = int(extra.get("cpu_bytes_to_use_per_rank", int(extra.get("cpu_bytes_to_use", DEFAULT_SIMPLE_CPU_BYTES)) // world_size))
-            num_cpu_blocks = max(1, kv_cache_config.num_blocks * per_rank // kv_cache_config.kv_cache_tensors[0].size)
+            if extra.get("kv_offload_backend", "cpu") == "disk":  # the tier is on disk, sized by its bytes
+                capacity = int(extra.get("disk_capacity_bytes", DEFAULT_SIMPLE_DISK_BYTES))
+            else:
+                capacity = int(extra.get(
+                    "cpu_bytes_to_use_per_rank", int(extra.get("cpu_bytes_to_use", DEFAULT_SIMPLE_CPU_BYTES)) // world_size
+                ))
+            num_cpu_blocks = max(1, kv_cache_config.num_blocks * capacity // kv_cache_config.kv_cache_tensors[0].size)
         return int(num_cpu_blocks) - 1  # block 0 is the null block
     return None
 

@@ -25,17 +25,20 @@ from .toy_model import HarnessError
 TIER_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
 
 
-def tier_transfer_config(name: str, tier_blocks: int, block_bytes: int) -> KVTransferConfig:
+def tier_transfer_config(name: str, tier_blocks: int | dict, block_bytes: int) -> KVTransferConfig:
     """A ``KVTransferConfig`` for a real CPU-offload connector whose tier holds ``tier_blocks`` GPU
     KV blocks of ``block_bytes`` each (Offloading: one block per chunk, a chunk rounded up to the
-    OS page; SimpleCPU: its block 0 is the null block)."""
-    if name == "OffloadingConnector":
+    OS page; SimpleCPU: its block 0 is the null block). A dict instead of a block count is the
+    connector's ``kv_connector_extra_config`` as given (the tier sized as a user would size it)."""
+    if name not in TIER_CONNECTORS:
+        raise HarnessError(f"no CPU-offload connector {name!r}; these are: {TIER_CONNECTORS}")
+    if isinstance(tier_blocks, dict):
+        extra = tier_blocks
+    elif name == "OffloadingConnector":
         chunk_bytes = -(-block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         extra = {"cpu_bytes_to_use": tier_blocks * chunk_bytes}
-    elif name == "SimpleCPUOffloadConnector":
-        extra = {"num_cpu_blocks": tier_blocks + 1}
     else:
-        raise HarnessError(f"no CPU-offload connector {name!r}; these are: {TIER_CONNECTORS}")
+        extra = {"num_cpu_blocks": tier_blocks + 1}
     return KVTransferConfig(kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra)
 
 

@@ -118,7 +118,7 @@ def make_scheduler(
     max_model_len: int = 512,
     block_size: int = BLOCK_SIZE,
     kv_connector: dict | None = None,
-    kv_tier: tuple[str, int] | None = None,
+    kv_tier: tuple[str, int | dict] | None = None,
     scheduler_connector: str = "ours",
     kv_groups: str = "full",
 ) -> SchedulerSetup:
@@ -136,7 +136,8 @@ def make_scheduler(
     unless given) and the worker-side instance is ``setup.kv_worker``.
 
     ``kv_tier``: ``(connector name, tier blocks)``, a real CPU-offload connector of vLLM
-    (``kv_tiers.tier_transfer_config``) whose tier holds that many GPU KV blocks; the worker side
+    (``kv_tiers.tier_transfer_config``) whose tier holds that many GPU KV blocks (or ``(connector
+    name, its kv_connector_extra_config)``, sized as that config says); the worker side
     is the stand-in ``kv_tiers.TierWorker``.
 
     ``scheduler_connector``: the scheduler-side aux-output connector the scheduler builds:
