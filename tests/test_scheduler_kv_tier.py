@@ -185,3 +185,25 @@ def test_the_kv_tier_benchmark_writes_its_csv(tmp_path):
     for row in rows:
         share = float(row["accepted_share"])
         assert share >= 0.95 if row["scheduler_side"] == "routed-experts-cache" else share < 0.5
+
+
+def test_a_request_aborted_while_its_kv_loads_holds_no_blocks_after():
+    """Blocks a request is loading are never released; vLLM drops that hold when the request is
+    scheduled, so one aborted before that must drop it at its finish (else its blocks are held
+    for good, past the retention capacity)."""
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
+                           kv_connector={"load_mode": "async", "async_load_steps": 3})
+    engine = SimEngine(setup, build_our_connector(setup))
+    rng = np.random.default_rng(10)
+    prompt = random_prompt(rng, 4 * BLOCK)
+    finish(engine, setup, "a", prompt)
+    for i in range(4):  # A's KV leaves the GPU; the stub's store keeps it
+        finish(engine, setup, f"filler{i}", random_prompt(rng, 2 * BLOCK))
+    aux = setup.scheduler.aux_output_connector
+    engine.add(make_request(setup, "again", prompt, 4))
+    engine.step()
+    assert aux._loading.get("again")  # loading A's blocks from the store, asynchronously
+    engine.abort("again")
+    assert "again" not in aux._loading
+    engine.flush()
+    finish(engine, setup, "after", random_prompt(rng, 2 * BLOCK))
