@@ -41,6 +41,21 @@ def test_supported_version_replaces_the_worker_factory(vllm_modules, monkeypatch
     assert original is not vllm_worker.get_aux_output_connector
 
 
+def test_registering_again_wraps_vllm_once(vllm_modules, monkeypatch):
+    """vLLM loads plugins in every process, and a process may load them more than once: the
+    wrappers of ``Scheduler._connector_finished`` and of the config's P/D check go on once."""
+    import importlib
+
+    monkeypatch.delenv("ROUTED_EXPERTS_CACHE", raising=False)
+    scheduler_class = importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler
+    config_class = importlib.import_module(vllm_plugin._CONFIG_MODULE).VllmConfig
+    assert vllm_plugin.register() is True
+    wrapped = (scheduler_class._connector_finished, config_class._verify_aux_output_compatibility)
+    assert all(getattr(f, marker) for f, marker in zip(wrapped, ("exports_rows", "admits_pd_connectors")))
+    assert vllm_plugin.register() is True
+    assert (scheduler_class._connector_finished, config_class._verify_aux_output_compatibility) == wrapped
+
+
 @pytest.mark.parametrize("value", ["0", "false", "OFF", " off "])
 def test_off_switch_leaves_vllm_untouched(vllm_modules, monkeypatch, value):
     worker, runner, original = vllm_modules
