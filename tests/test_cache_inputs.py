@@ -425,3 +425,27 @@ def test_the_block_table_grows_with_what_requests_hold_not_how_far_out_they_star
     with pytest.raises(InvalidCaptureError, match="max_position"):
         cache.capture("far", far + 64, torch.ones(1, 2, dtype=torch.int32))
     cache.check_consistency()
+
+
+@pytest.mark.parametrize("bad_row, named", [(0, "'a': row at position 0"), (2, "'a': row at position 2"),
+                                            (3, "'b': row at position 4"), (5, "'b': row at position 6")])
+def test_an_id_outside_the_pool_dtype_in_a_batch_is_named_by_its_own_span(bad_row, named):
+    """Two spans side by side in one source: the bad row is named by the span that holds it
+    (the next span's first row included), at that request's position."""
+    cache = RoutedExpertsCache(8, PAGE, ROW, dtype=torch.uint8, device=TEST_DEVICE, backend="torch")
+    source = torch.zeros((6, *ROW), dtype=torch.int32)
+    source[bad_row, 1, 2] = 256
+    with pytest.raises(InvalidCaptureError, match=f"{named} of capture .*first at index \\(1, 2\\) .*id 256"):
+        cache.capture_batch(source, ["a", "b"], [0, 4], [0, 3], [3, 3])
+    assert cache.stats()["captured_rows"] == 0
+
+
+def test_uint64_integers_past_int64_are_refused_as_such():
+    """numpy's uint64 holds values int64 cannot; they are refused by name, and int64's
+    largest value passes (a later check weighs it against ``max_position``)."""
+    from routed_experts_cache.connector.checks import index_array
+
+    with pytest.raises(RoutedExpertsCacheError, match=f"starts must fit int64, got {2**63}"):
+        index_array(np.array([0, 2**63], dtype=np.uint64), "starts", 2)
+    edge = index_array(np.array([2**63 - 1], dtype=np.uint64), "starts", 1)
+    assert edge.dtype == np.int64 and edge.tolist() == [2**63 - 1]
