@@ -193,7 +193,7 @@ class OutputContractFloor:
             return
         list(map(self._index.setdefault, metadata.requests, metadata.requests.values()))
         for request_id, packed in metadata.block_hashes.items():
-            self._hashes.setdefault(request_id, []).extend(unpack_hashes(packed))
+            self._hashes.setdefault(request_id, []).extend(unpack_hashes(packed, f"request {request_id!r}"))
         for request_id in metadata.finished_requests:
             self._index.pop(request_id, None)
             self._hashes.pop(request_id, None)
