@@ -113,16 +113,20 @@ def test_a_whole_prompt_hit_is_loaded_when_rows_cover_it(scheduler_connector):
         assert cache.stats()["prefix_hit_rows"] >= len(prompt) - 1  # no prompt row recomputed but the last
 
 
+def reported_tier_blocks(setup, kv_connector: str) -> int:
+    """The tier in GPU KV blocks as vLLM's own connector (its scheduler role) sized it."""
+    connector = setup.scheduler.connector
+    if kv_connector == "OffloadingConnector":
+        info = connector.connector_scheduler.manager.config_info()[0]
+        return info["cpu_num_chunks"] * info["cpu_blocks_per_chunk"]
+    return connector.scheduler_manager.num_cpu_blocks - 1  # block 0 is the null block
+
+
 @pytest.mark.parametrize("kv_connector", TIER_CONNECTORS)
 def test_retention_capacity_is_the_gpu_kv_plus_the_tier_the_connector_reports(kv_connector, monkeypatch):
     monkeypatch.delenv(TIER_BLOCKS_ENV, raising=False)
     setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=32, kv_tier=(kv_connector, 96))
-    connector = setup.scheduler.connector
-    if kv_connector == "OffloadingConnector":
-        info = connector.connector_scheduler.manager.config_info()[0]
-        reported = info["cpu_num_chunks"] * info["cpu_blocks_per_chunk"]
-    else:
-        reported = connector.scheduler_manager.num_cpu_blocks - 1  # block 0 is the null block
+    reported = reported_tier_blocks(setup, kv_connector)
     assert tier_blocks(setup.vllm_config, setup.kv_cache_config) == reported == 96
     assert setup.scheduler.aux_output_connector._capacity == 32 + 96
     assert retained_blocks(setup.vllm_config, setup.kv_cache_config) == 32 + 96
@@ -148,12 +152,7 @@ def test_a_tier_sized_in_bytes_is_the_tier_the_connector_reports(kv_connector, e
     if extra.get("kv_offload_backend") == "disk":
         extra = {**extra, "disk_path": str(tmp_path)}
     setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=32, kv_tier=(kv_connector, extra))
-    connector = setup.scheduler.connector
-    if kv_connector == "OffloadingConnector":
-        info = connector.connector_scheduler.manager.config_info()[0]
-        reported = info["cpu_num_chunks"] * info["cpu_blocks_per_chunk"]
-    else:
-        reported = connector.scheduler_manager.num_cpu_blocks - 1
+    reported = reported_tier_blocks(setup, kv_connector)
     assert tier_blocks(setup.vllm_config, setup.kv_cache_config) == reported
     assert setup.scheduler.aux_output_connector._capacity == 32 + reported
 
