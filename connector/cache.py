@@ -1352,6 +1352,11 @@ class RoutedExpertsCache:
         problems = self._pages.problems(set(owned), expected_pins)
         if len(set(owned)) != len(owned):
             problems.append("a page is owned by two requests")
+        slots = self._slots
+        if len(slots.free) + len(self._requests) != len(slots.requests) or any(
+            slots.requests[slot] is not None or slots.ids[slot] is not None for slot in slots.free
+        ):
+            problems.append("a free slot still holds a request, or a slot is neither free nor live")
         for request_id, r in self._requests.items():
             first = r.first_block if r.first_block is not None else -1
             if (

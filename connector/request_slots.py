@@ -23,7 +23,7 @@ class RequestSlots:
     def __init__(self) -> None:
         self.of: dict[object, int] = {}  # request id -> slot
         self.requests: list = []  # per slot: the request's block map, None once free
-        self._free: list[int] = []
+        self.free: list[int] = []  # slots of finished requests, reused first
         self.cursor = np.zeros(16, dtype=np.int64)
         self.first_block = np.full(16, -1, dtype=np.int64)
         self.table = np.full((16, 16), -1, dtype=np.int64)
@@ -31,8 +31,8 @@ class RequestSlots:
 
     def add(self, request_id, request) -> int:
         """Give a new request a slot (nothing captured: cursor 0, first block -1) and return it."""
-        if self._free:
-            slot = self._free.pop()
+        if self.free:
+            slot = self.free.pop()
         else:
             slot = len(self.requests)
             self.requests.append(None)
@@ -53,7 +53,7 @@ class RequestSlots:
         slot = self.of.pop(request_id)
         self.requests[slot] = None
         self.ids[slot] = None
-        self._free.append(slot)
+        self.free.append(slot)
 
     def set_pages(self, slots, own_blocks, pages) -> None:
         """``table[slots, own_blocks] = pages``, widening the table to the largest own block."""

@@ -1620,11 +1620,26 @@ def share_a_page(cache):
     cache._requests["b"].own_pages.append(cache._requests["a"].own_pages[-1])
 
 
+def keep_a_finished_request_in_its_slot(cache):
+    """What ``RequestSlots.remove`` would leave if it only freed the slot: the block map stays referenced."""
+    request = cache._requests["b"]
+    cache.finish("b")
+    cache._slots.requests[request.slot] = request
+
+
+def free_a_slot_twice(cache):
+    slot = cache._requests["b"].slot
+    cache.finish("b")
+    cache._slots.free.append(slot)
+
+
 @pytest.mark.parametrize("problem, corrupt", [
     ("a page is owned by two requests", share_a_page),
     ("slot arrays disagree", lambda cache: cache._slots.first_block.__setitem__(cache._requests["a"].slot, 1)),
     ("block table disagrees", lambda cache: cache._slots.table.__setitem__((cache._requests["a"].slot, 1), 7)),
     ("are not all settled", lambda cache: setattr(cache._requests["b"], "num_settled", 1)),
+    ("a free slot still holds a request", keep_a_finished_request_in_its_slot),
+    ("a slot is neither free nor live", free_a_slot_twice),
 ])
 def test_the_consistency_check_reports_each_way_the_block_maps_can_break(problem, corrupt):
     """``check_consistency`` is what the property tests assert after every call: each

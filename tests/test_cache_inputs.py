@@ -334,6 +334,25 @@ def test_a_bool_beside_ints_in_a_batched_call_is_refused_without_change(call_nam
     assert_unchanged(before, observe(cache))
 
 
+SLOT_CALLS = {  # the batched calls that take slots, with one slot (for request "a") outside the slot arrays
+    "capture_batch": lambda c, s: c.capture_batch(ROWS2, ["a", "b"], [6, 3], [0, 1], [1, 1], slots=[s, 1]),
+    "read_batch": lambda c, s: c.read_batch(["b", "a"], [0, 0], [3, 6], slots=[1, s]),
+}
+
+
+@pytest.mark.parametrize("call_name", sorted(SLOT_CALLS))
+@pytest.mark.parametrize("slot", [-1, -(2**63), 2, 16, 2**40, 2**63 - 1], ids=repr)
+def test_a_slot_outside_the_slot_arrays_is_refused_without_change(call_name, slot):
+    """A slot below 0 or past the live slots (beside a valid one, past the arrays' capacity too)
+    is refused as not coming from ``slots()``, before it indexes anything."""
+    cache = populated("torch")
+    assert cache.slots(["a", "b"]).tolist() == [0, 1]
+    before = observe(cache)
+    with pytest.raises(RoutedExpertsCacheError, match=r"slots must come from slots\(\); got values outside \[0, 2\)"):
+        SLOT_CALLS[call_name](cache, slot)
+    assert_unchanged(before, observe(cache))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("call_name", sorted(POSITION_CALLS))
 @pytest.mark.parametrize("past", [1, 4, 2**20, 2**40, 2**62], ids=lambda p: f"limit+{p}")
