@@ -446,6 +446,31 @@ def test_begin_step_and_process_output_on_two_threads():
     driver.cache.check_consistency()
 
 
+def test_a_step_without_metadata_after_real_steps_returns_nothing_and_changes_nothing():
+    """``begin_step(None)`` (a step the scheduler built no routed-experts metadata for) is
+    never served the previous step's metadata: ``prepare_output`` returns None for its batch,
+    even one of requests the connector never saw, and the next real step goes on."""
+    driver = Driver()
+    two_requests(driver)
+    before = (driver.cache.stats(), driver.connector.stats())
+    driver.connector.begin_step(None)
+    driver.capturer.rows = torch.from_numpy(np.stack([row_of("dummy", p) for p in range(2)]))
+    assert driver.connector.prepare_output(input_batch(["dummy"], [0, 2], [0])) is None
+    assert (driver.cache.stats(), driver.connector.stats()) == before
+    check_output(driver.step(metadata({"a": 7}), [("a", 7, 1)]), "a", 7, 8)
+    driver.expect_rows("b", 0, 5)
+
+
+def test_a_step_covering_a_request_never_scheduled_names_only_that_one():
+    driver = Driver()
+    two_requests(driver)  # "a" holds slot 0
+    driver.connector.begin_step(metadata({"a": 7}))
+    driver.capturer.rows = torch.from_numpy(np.stack([row_of(r, 7) for r in ("a", "zz")]))
+    with pytest.raises(ConnectorStateError, match=r"step covers requests \['zz'\] that were never scheduled"):
+        driver.connector.prepare_output(input_batch(["a", "zz"], [0, 1, 2], [7, 0]))
+    check_output(driver.step(metadata({"a": 7}), [("a", 7, 1)]), "a", 7, 8)
+
+
 def test_backend_is_chosen_by_environment(monkeypatch):
     setup = make_scheduler(lookahead=1)
     monkeypatch.setenv("ROUTED_EXPERTS_CACHE_BACKEND", "torch")
