@@ -14,6 +14,7 @@ client rows are checked against the routing oracle.
 """
 
 import csv
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,36 @@ def test_a_tier_sized_in_bytes_is_the_tier_the_connector_reports(kv_connector, e
     reported = reported_tier_blocks(setup, kv_connector)
     assert tier_blocks(setup.vllm_config, setup.kv_cache_config) == reported
     assert setup.scheduler.aux_output_connector._capacity == 32 + reported
+
+
+@pytest.mark.parametrize("extra", [
+    {"cpu_bytes_to_use": 400 * 4096, "blocks_per_chunk": 2},
+    {"cpu_bytes_to_use": 400 * 4096, "block_size": 8},
+    {"cpu_bytes_to_use": 400 * 4096},
+])
+@pytest.mark.parametrize("layers", [1, 300])
+@pytest.mark.parametrize("tensors", [True, False], ids=["kv-tensors", "no-kv-tensors"])
+def test_an_offloading_tier_is_sized_as_vllms_cpu_spec_sizes_it(extra, layers, tensors, monkeypatch):
+    """With or without the KV tensors in the config (vLLM 0.33 / 0.34's
+    ``build_offloading_config`` then sizes a block by the group's page size times its layers),
+    and with blocks past a memory page (300 layers), the same count of GPU KV blocks as vLLM's
+    own ``CPUOffloadingSpec`` built from that config."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    monkeypatch.delenv(TIER_BLOCKS_ENV, raising=False)
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=32, kv_tier=("OffloadingConnector", extra))
+    (group,), (tensor,) = setup.kv_cache_config.kv_cache_groups, setup.kv_cache_config.kv_cache_tensors
+    names = [f"{name}.{k}" for name in group.layer_names for k in range(layers)]
+    config = dataclasses.replace(
+        setup.kv_cache_config,
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=group.kv_cache_spec)],
+        kv_cache_tensors=[dataclasses.replace(tensor, size=tensor.size * layers, layers=names)] if tensors else [],
+    )
+    spec = CPUOffloadingSpec(build_offloading_config(setup.vllm_config, config))
+    assert spec.num_chunks > 0
+    assert tier_blocks(setup.vllm_config, config) == spec.num_chunks * spec.blocks_per_chunk
 
 
 def test_connectors_without_a_known_tier_keep_vllms_retention_and_all_or_nothing_hits(monkeypatch):
