@@ -1604,6 +1604,57 @@ def test_decode_steps_above_the_small_batch_equal_the_general_path(make_cache, m
         assert True in taken[0] and False in taken[0] and stats["evictions"] > 0  # declined once free pages ran out
 
 
+@pytest.mark.parametrize("call", ["capture_step", "capture_batch"])
+@pytest.mark.parametrize("small_batch", ["lists", "arrays"])
+@pytest.mark.parametrize("rows_per_step", [(1, 2), (1, 4), (5, 12)], ids=["decode", "within-a-page", "over-pages"])
+@pytest.mark.parametrize("free_pages", ["enough", "short"])
+def test_own_blocks_past_the_block_tables_width_read_back_exactly(make_cache, monkeypatch, call, small_batch,
+                                                                   rows_per_step, free_pages):
+    """The block table starts 16 own blocks wide and doubles as requests grow. Requests that
+    capture step by step (a decode row, spans within a page, spans over several pages), with
+    staggered starts so that each reaches the table's last column and its growth at another
+    step, through every capture path (lists, array passes, the general path where free pages
+    run short), read back exactly, and the block tables match the pages."""
+    if small_batch == "arrays":
+        monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
+    page_size, row_shape, num_blocks = 4, (3, 2), 40
+    ids = ["a", "b", "c"]
+    # short: fewer pages than the requests hold at the end; blocks publish (hashes below) and
+    # a finished request's blocks are evicted as the others grow.
+    num_pages = 3 * num_blocks + 3 if free_pages == "enough" else 2 * num_blocks + 8
+    cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape)
+    for request_id in ids:
+        cache.add_block_hashes(request_id, [f"{request_id}-{b}".encode() for b in range(num_blocks)])
+    gen, rng = torch.Generator().manual_seed(11), np.random.default_rng(5)
+    cursors, expected = dict.fromkeys(ids, 0), {request_id: [] for request_id in ids}
+    inside_last_column = 0  # steps in which a request continues a block in the table's last column
+    end = {"a": num_blocks * page_size, "b": num_blocks * page_size, "c": 12 * page_size}
+    for step in range(10 * num_blocks * page_size):
+        live = [r for k, r in enumerate(ids) if step >= 2 * k and cursors[r] < end[r]]  # "b" starts 2 steps later
+        if not live:
+            break
+        counts = np.minimum(rng.integers(rows_per_step[0], rows_per_step[1] + 1, len(live)), [end[r] - cursors[r] for r in live])
+        starts = np.array([cursors[r] for r in live], dtype=np.int64)
+        width = cache._slots.table.shape[1]
+        inside_last_column += int(np.count_nonzero((starts // page_size == width - 1) & (starts % page_size != 0)))
+        rows = torch.randint(0, 256, (int(counts.sum()), *row_shape), dtype=torch.uint8, generator=gen)
+        source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        if call == "capture_step":
+            cache.capture_step(rows, live, cache.slots(live), starts, source_starts, counts)
+        else:
+            cache.capture_batch(rows, live, starts, source_starts, counts)
+        for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
+            expected[request_id].append(rows[first : first + count])
+            cursors[request_id] += count
+        if cursors["c"] == end["c"] and "c" in cache._requests and free_pages == "short":
+            cache.finish("c")
+    cache.check_consistency()
+    assert cache._slots.table.shape[1] >= 64 and inside_last_column > 0  # grew twice; the last column was read
+    for request_id in ("a", "b"):
+        assert torch.equal(cache.read(request_id, 0, end[request_id]).cpu(), torch.cat(expected[request_id]))
+    assert (cache.stats()["evictions"] > 0) == (free_pages == "short")
+
+
 # ------------------------------- checks of the checks: the property tests' oracle, refusal messages
 
 
