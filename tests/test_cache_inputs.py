@@ -32,6 +32,7 @@ from routed_experts_cache import (
     RoutedExpertsCache,
     RoutedExpertsCacheError,
 )
+from routed_experts_cache.connector import batch_size
 
 ROW = (2, 3)
 PAGE = 4
@@ -389,11 +390,14 @@ def test_positions_at_the_limit_pass_its_check_in_every_call(call_name):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("call_name", ["capture_step", "capture_step_small"])
-def test_an_engine_step_past_the_limit_is_refused_without_change(backend, call_name):
+@pytest.mark.parametrize("call_name", ["capture_step", "capture_step_arrays", "capture_step_small"])
+def test_an_engine_step_past_the_limit_is_refused_without_change(backend, call_name, monkeypatch):
     """The engine's calls (spans as arrays, or as lists from the connector's small-batch
-    commit) take continuing spans on free pages by a shortcut: a span ending past
-    ``max_position`` still fails with nothing changed, and one ending at it is taken."""
+    commit; above ``SMALL_BATCH`` requests, array passes) take continuing spans on free pages
+    by a shortcut: a span ending past ``max_position`` still fails, naming its request, with
+    nothing changed, and one ending at it is taken."""
+    if call_name == "capture_step_arrays":
+        monkeypatch.setattr(batch_size, "SMALL_BATCH", 0)
     cache = RoutedExpertsCache(32, PAGE, ROW, device=TEST_DEVICE, backend=backend, max_position=64)
     cache.capture("a", 0, torch.arange(36).reshape(6, *ROW) % 100)
     cache.capture("b", 0, torch.arange(18).reshape(3, *ROW) % 50 + 7)
@@ -401,14 +405,14 @@ def test_an_engine_step_past_the_limit_is_refused_without_change(backend, call_n
 
     def step(counts):
         ids, slots, starts, source_starts = ["b", "a"], cache.slots(["b", "a"]), [3, 6], [0, 2]
-        if call_name == "capture_step":
+        if call_name != "capture_step_small":
             as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
             cache.capture_step(rows, ids, slots, as_array(starts), as_array(source_starts), as_array(counts))
         else:
             cache.capture_step_small(rows, ids, slots, starts, source_starts, counts, list(map(add, starts, counts)))
 
     before = observe(cache)
-    with pytest.raises(InvalidCaptureError, match="max_position 64"):
+    with pytest.raises(InvalidCaptureError, match="request 'a': .* max_position 64"):
         step([1, 59])  # "a" would end at 65
     assert_unchanged(before, observe(cache))
     step([2, 58])  # "a" ends at 64, the limit
