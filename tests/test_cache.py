@@ -552,6 +552,20 @@ ERROR_CASES = {
 }
 
 
+def test_a_refused_read_lists_what_exists_as_merged_ranges(make_cache, gen):
+    """The refusal names every range the request can read: consecutive published prefix blocks
+    as one range, a missing block as a gap, and the last published prefix block joined with the
+    request's own rows."""
+    cache = make_cache(16)
+    cache.capture("a", 0, rand_rows(gen, 16))
+    cache.add_block_hashes("a", [h("a", b) for b in range(4)])
+    cache.add_block_hashes("r", [h("a", 0), h("a", 1), b"never-published", h("a", 3)])
+    cache.capture("r", 16, rand_rows(gen, 2))
+    with pytest.raises(RangeUnavailableError) as excinfo:
+        cache.read("r", 0, 18)
+    assert "request 'r': range [0, 18) is unavailable; available: [0, 8) [12, 18) (4 block hashes known" in str(excinfo.value)
+
+
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
 def test_refused_call_names_the_problem_and_changes_nothing(make_cache, gen, case):
     cache, intervals, expected = _populated(make_cache, gen)
