@@ -95,6 +95,23 @@ def test_a_partial_release_keeps_a_usable_prefix(kv_connector, scheduler_connect
     assert decision.accepted == (2 * BLOCK if scheduler_connector == "ours" else 0)
 
 
+def test_a_hit_makes_its_blocks_the_newest_in_the_release_order_last_block_first():
+    """The scheduler's hit check (``covered_tokens``) touches the retained blocks it covers:
+    they move behind every other retained block, the hit's last block first, so the blocks a
+    request just used are released last and, among them, the tail before the prefix."""
+    setup, engine, _ = tier_engine(TIER_CONNECTORS[0], "ours", num_blocks=8, tier=64)
+    rng = np.random.default_rng(5)
+    prompt_a = random_prompt(rng, 4 * BLOCK)
+    finish(engine, setup, "a", prompt_a)
+    finish(engine, setup, "filler", random_prompt(rng, 2 * BLOCK))
+    aux = setup.scheduler.aux_output_connector
+    probe = make_request(setup, "probe", prompt_a, 1)
+    blocks = [block for block, _ in aux._kv_blocks(probe.block_hashes)]
+    assert list(aux._kv_cached)[:4] == blocks[::-1]  # retained at finish, the oldest
+    assert aux.covered_tokens(probe) == 4 * BLOCK
+    assert list(aux._kv_cached)[-4:] == blocks[::-1] and len(aux._kv_cached) == 6
+
+
 @pytest.mark.parametrize("scheduler_connector", ["ours", "vllm"])
 def test_a_whole_prompt_hit_is_loaded_when_rows_cover_it(scheduler_connector):
     """``OffloadingConnector`` offers a re-sent prompt whole (block-aligned, evicted from the
