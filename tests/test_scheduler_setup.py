@@ -17,6 +17,7 @@ import pytest
 import torch
 from connector_rows import input_batch, pack_hashes
 from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
+from vllm_contract_facts import assert_installed_contract_matches_vllm
 
 from cpu_harness.vllm_scheduler import (  # first: fails with a clear message outside vLLM 0.33 and 0.34
     CONTRACT,
@@ -38,6 +39,11 @@ def step_metadata(requests):
         generation=0, requests=requests, block_hashes={}, finished_requests=(),
         retained_block_hashes=pack_hashes(()), released_block_hashes=pack_hashes(()),
     )
+
+
+def test_the_installed_releases_row_of_the_version_table_is_what_its_code_shows():
+    """The fields the harness and the connector branch on (``CONTRACT``) match vLLM's code."""
+    assert_installed_contract_matches_vllm()
 
 
 def test_the_factory_builds_a_pool_sized_by_build_cache_as_vllm_sets_it_up():

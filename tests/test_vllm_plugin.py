@@ -9,6 +9,7 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 import vllm
+from vllm_contract_facts import assert_installed_contract_matches_vllm
 
 from routed_experts_cache import InvalidCaptureError, RoutedExpertsCacheError
 from routed_experts_cache.connector.vllm import plugin as vllm_plugin, step_hashes, worker as vllm_worker
@@ -252,6 +253,10 @@ def test_installed_contract_is_the_running_vllms(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
     with pytest.raises(RoutedExpertsCacheError, match=r"vLLM 0.35.0 is not supported \(supported: 0.32.x, 0.33.x, 0.34.x\)"):
         vllm_versions.installed_contract()
+
+
+def test_the_installed_releases_row_of_the_version_table_is_what_its_code_shows():
+    assert_installed_contract_matches_vllm()
 
 
 
