@@ -170,6 +170,23 @@ def test_tile_shape_is_a_power_of_two_covering_a_row():
             assert block_words >= row_words and segments_per_program >= 1
 
 
+def test_tile_wastes_less_than_half_of_a_launch(monkeypatch):
+    """The row block is the smallest power of two that covers a row (compiled: at least the
+    2048-word loop), and the interpreter packs at most the next power of two of the launch's
+    segments into a program: a larger tile is still correct, only masked-off work."""
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        for num_segments in (1, 2, 3, 7, 600):
+            for row_words in (1, 2, 3, 122, 256, 488, 4000):
+                segments_per_program, block_words = tile_shape(num_segments, row_words)
+                assert segments_per_program < 2 * num_segments
+                row_block = block_words if interpret == "0" else block_words // 16  # 16 rows a segment
+                if interpret == "0" and row_words <= 2048:
+                    assert block_words == 2048
+                else:
+                    assert row_words <= row_block < 2 * row_words
+
+
 def test_compiled_tile_is_one_segment_per_program_and_depends_only_on_the_row_width(monkeypatch):
     """One compiled kernel variant per row shape, whatever the batch size."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
