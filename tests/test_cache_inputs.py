@@ -463,6 +463,22 @@ def test_an_id_outside_the_pool_dtype_in_a_batch_is_named_by_its_own_span(bad_ro
     assert cache.stats()["captured_rows"] == 0
 
 
+@pytest.mark.parametrize("bad_row", [0, PAGE - 1, PAGE, 2 * PAGE - 1])
+def test_an_id_outside_the_pool_dtype_in_an_import_is_refused_by_its_row(bad_row):
+    """Imported blocks are checked from their first row to their last: narrowing the bad id
+    would publish a wrong row under the block's hash."""
+    cache = RoutedExpertsCache(8, PAGE, ROW, dtype=torch.uint8, device=TEST_DEVICE, backend="torch")
+    rows = torch.zeros((2 * PAGE, *ROW), dtype=torch.int64)
+    rows[bad_row, 1, 2] = 256
+    before = cache.stats()
+    with pytest.raises(InvalidCaptureError, match=f"row at position {bad_row} of capture \\[0, {2 * PAGE}\\) .*id 256"):
+        cache.import_blocks([b"z0", b"z1"], rows)
+    assert cache.stats() == before
+    cache.add_block_hashes("i", [b"z0", b"z1"])
+    with pytest.raises(RangeUnavailableError):
+        cache.read("i", 0, 1)
+
+
 def test_uint64_integers_past_int64_are_refused_as_such():
     """numpy's uint64 holds values int64 cannot; they are refused by name, and int64's
     largest value passes (a later check weighs it against ``max_position``)."""
