@@ -58,10 +58,22 @@ def test_the_factory_builds_a_pool_sized_by_build_cache_as_vllm_sets_it_up():
         setup.vllm_config.scheduler_config.max_num_seqs, setup.vllm_config.max_concurrent_batches,
     )
     assert connector.cache.num_pages == 2 * setup.kv_cache_config.num_blocks + working_set
+    assert connector.cache.stats()["host_pages"] == 0  # without a KV tier, the device holds every retained block
     # vLLM's real capturer, bound to the harness model's MoE layers, feeds the connector.
     rows = torch.randint(0, 64, (5, *ROW_SHAPE))
     feed_rows(connector, rows, setup.vllm_config)
     assert torch.equal(connector._capturer.snapshot_routing_data(5), rows.to(torch.uint8))
+
+
+def test_with_a_kv_tier_the_host_tier_holds_every_retained_block_and_the_gpus():
+    """Retention is the GPU's blocks plus the tier's; past the device's share they go to a host
+    tier of retained + GPU blocks (readers' pins count against the GPU's), in pages."""
+    setup = make_scheduler(lookahead=0, num_spec_tokens=0, num_blocks=64, kv_tier=("OffloadingConnector", 192))
+    capturer = build_connector_like_vllm(setup)._capturer
+    cache = build_cache(setup.vllm_config, setup.kv_cache_config, capturer)
+    num_blocks = setup.kv_cache_config.num_blocks
+    assert cache.page_size == setup.vllm_config.cache_config.block_size  # a page per KV block here
+    assert cache.stats()["host_pages"] == (num_blocks + 192) + num_blocks
 
 
 def test_a_byte_budget_sizes_the_shared_pages_and_drafts_extend_the_position_limit():
