@@ -24,7 +24,10 @@ from cpu_harness.vllm_scheduler import (  # first: fails with a clear message ou
     SimEngine, build_our_connector, make_request, make_scheduler, random_prompt,
 )
 from cpu_harness.vllm_scheduler.multi_turn import TierRun, observe_hits
-from routed_experts_cache.connector.vllm.row_transfer import MAX_BYTES_ENV, ROWS_KEY, decode_rows, encode_rows
+from routed_experts_cache import RoutedExpertsCacheError
+from routed_experts_cache.connector.vllm.row_transfer import (
+    MAX_BYTES_ENV, ROWS_KEY, decode_rows, encode_rows, max_export_bytes,
+)
 
 _STORES = itertools.count()
 
@@ -102,8 +105,9 @@ def test_without_usable_rows_the_decode_recomputes_the_prompt_with_exact_rows(da
     assert decision.accepted == (decision.offered if damage == "none" else 0)
 
 
-def test_rows_over_the_size_limit_are_not_exported(monkeypatch):
-    monkeypatch.setenv(MAX_BYTES_ENV, "100")  # below 40 rows x 3 x 2 bytes
+@pytest.mark.parametrize("limit", ["100", "0"])  # below 40 rows x 3 x 2 bytes; 0: never export
+def test_rows_over_the_size_limit_are_not_exported(monkeypatch, limit):
+    monkeypatch.setenv(MAX_BYTES_ENV, limit)
     (p_setup, p_engine), (d_setup, d_engine), run = pd_pair()
     rng = np.random.default_rng(7)
     prompts = {"r": random_prompt(rng, 40)}
@@ -111,6 +115,39 @@ def test_rows_over_the_size_limit_are_not_exported(monkeypatch):
     assert params["r"] is None or ROWS_KEY not in params["r"]
     decode(d_setup, d_engine, prompts, {"r": params["r"]} if params["r"] else {})
     assert run.decisions["r"].accepted == 0  # recomputed
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "1.5", ""])
+def test_an_export_limit_that_is_not_a_byte_count_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv(MAX_BYTES_ENV, raw)
+    with pytest.raises(RoutedExpertsCacheError, match=f"{MAX_BYTES_ENV}={raw!r} must be a number of bytes >= 0"):
+        max_export_bytes()
+
+
+def test_imports_go_with_a_requests_first_step_only_and_again_for_its_id_after_it_finished():
+    """The decode instance sends a request's imported rows to its worker once (every later
+    step would carry the prompt's rows again), and a request id used again after its finish is
+    a new request with its own import."""
+    (p_setup, p_engine), (d_setup, d_engine), run = pd_pair()
+    rng = np.random.default_rng(11)
+    prompts = {f"r{i}": random_prompt(rng, 40) for i in range(3)}
+    params = prefill(p_setup, p_engine, prompts)
+    connector = d_setup.scheduler.aux_output_connector
+    sent = []
+    build = connector.build_connector_meta
+
+    def recording(*args, **kwargs):
+        metadata = build(*args, **kwargs)
+        sent.extend(metadata.imported_rows)
+        return metadata
+
+    connector.build_connector_meta = recording
+    decode(d_setup, d_engine, prompts, params)
+    assert sorted(sent) == sorted(prompts)
+    assert all(run.decisions[r].accepted == run.decisions[r].offered > 0 for r in prompts)
+    sent.clear()
+    decode(d_setup, d_engine, prompts, params)  # the same ids, new requests
+    assert sorted(sent) == sorted(prompts)
 
 
 def test_a_request_that_asks_for_no_export_gets_no_rows_in_its_params():
