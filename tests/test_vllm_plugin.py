@@ -259,7 +259,6 @@ def test_the_installed_releases_row_of_the_version_table_is_what_its_code_shows(
     assert_installed_contract_matches_vllm()
 
 
-
 NIXL_CONFIG = """
 import sys
 from cpu_harness.engine import prepare_environment
