@@ -354,24 +354,24 @@ def test_a_slot_outside_the_slot_arrays_is_refused_without_change(call_name, slo
     assert_unchanged(before, observe(cache))
 
 
-# For each batched call, its index arrays by name: the call with every array of ``n`` valid
-# values for the requests ``ids`` but the one named, which gets ``values``.
-def _batched(call: str, name: str, ids: list, values: list):
-    n = len(ids)
-    arrays = {"starts": [6, 3][:n], "source starts": [0, 1][:n], "counts": [1, 1][:n], "ends": [6, 3][:n],
-              "slots": [0, 1][:n], name: values}
-    if call == "capture_batch":
-        return lambda c: c.capture_batch(ROWS2, ids, arrays["starts"], arrays["source starts"], arrays["counts"],
-                                         slots=arrays["slots"])
-    starts = [0, 0][:n] if name != "starts" else values
-    return lambda c: c.read_batch(ids, starts, arrays["ends"], slots=arrays["slots"])
-
-
+# The batched calls' index arrays, valid for the requests ["a", "b"] (or their first n).
+BATCH_ARRAYS = {
+    "capture_batch": {"starts": [6, 3], "source starts": [0, 1], "counts": [1, 1], "slots": [0, 1]},
+    "read_batch": {"starts": [0, 0], "ends": [6, 3], "slots": [0, 1]},
+}
 LENGTH_CASES = [(["a", "b"], [0]), (["a"], []), ([], [0]), ([], [0, 0])]
 
 
-@pytest.mark.parametrize("call, name", [("capture_batch", n) for n in ("starts", "source starts", "counts", "slots")]
-                         + [("read_batch", n) for n in ("starts", "ends", "slots")])
+def _batched(call: str, name: str, ids: list, values: list):
+    """``call`` for the requests ``ids`` with valid arrays but the one named, which gets ``values``."""
+    arrays = {key: valid[: len(ids)] for key, valid in BATCH_ARRAYS[call].items()} | {name: values}
+    if call == "capture_batch":
+        return lambda c: c.capture_batch(ROWS2, ids, arrays["starts"], arrays["source starts"], arrays["counts"],
+                                         slots=arrays["slots"])
+    return lambda c: c.read_batch(ids, arrays["starts"], arrays["ends"], slots=arrays["slots"])
+
+
+@pytest.mark.parametrize("call, name", [(call, name) for call, arrays in BATCH_ARRAYS.items() for name in arrays])
 @pytest.mark.parametrize("ids, values", LENGTH_CASES, ids=repr)
 def test_an_index_array_of_another_length_than_the_requests_is_refused_without_change(call, name, ids, values):
     """One value too few or too many, also for no requests or an empty array: never a call
