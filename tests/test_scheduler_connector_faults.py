@@ -50,8 +50,9 @@ class Driver:
         self.cache = RoutedExpertsCache(num_pages, PAGE, ROW)
         self.connector = CacheWorkerConnector(capturer=self.capturer, cache=self.cache, max_concurrent_batches=2)
 
-    def launch(self, meta, batch, rejected=None):
-        """begin_step + prepare_output + enqueue_cpu_copy; returns the pending output."""
+    def launch(self, meta, batch, rejected=None, padded_requests=0):
+        """begin_step + prepare_output + enqueue_cpu_copy; returns the pending output.
+        ``padded_requests``: entries past the batch in ``query_start_loc_np``, as vLLM pads them."""
         self.connector.begin_step(meta)
         if not batch:
             return None
@@ -60,14 +61,15 @@ class Driver:
             rows += [row_of(request_id, p) for p in range(start, start + count)]
             starts.append(start)
             loc.append(loc[-1] + count)
+        loc += [loc[-1]] * padded_requests
         self.capturer.rows = torch.from_numpy(np.stack(rows))
         pending = self.connector.prepare_output(input_batch([r for r, _, _ in batch], loc, starts))
         rejected = rejected or [0] * len(batch)
         pending.enqueue_cpu_copy(np.ones(len(batch), dtype=np.int32), np.array(rejected, dtype=np.int32))
         return pending
 
-    def step(self, meta, batch, rejected=None):
-        pending = self.launch(meta, batch, rejected)
+    def step(self, meta, batch, rejected=None, padded_requests=0):
+        pending = self.launch(meta, batch, rejected, padded_requests)
         return None if pending is None else pending.process_output()
 
     def expect_rows(self, request_id: str, start: int, end: int) -> None:
@@ -229,6 +231,27 @@ def test_invalid_acceptance_counts_are_refused_naming_the_request(monkeypatch, s
     assert driver.cache.stats() == before
     driver.expect_rows("a", 0, 7)
     driver.expect_rows("b", 0, 5)
+
+
+@pytest.mark.parametrize("small_batch", [batch_size.SMALL_BATCH, 0])  # the plain pass, the array pass
+def test_a_step_padded_for_cuda_graphs_returns_what_the_unpadded_step_returns(monkeypatch, small_batch):
+    """Under full CUDA graphs, vLLM 0.33 / 0.34 (``gpu/model_runner.py``) hand the step a
+    ``query_start_loc_np`` of the padded request count + 1 entries, the pads at the step's token
+    count; its other arrays cover the real requests. The connector reads the batch's entries only."""
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", small_batch)
+    runs = []
+    for padded_requests in (0, 3):
+        driver = Driver()
+        outputs = [
+            driver.step(metadata({"a": 0, "b": 0}), [("a", 0, 6), ("b", 0, 5)], padded_requests=padded_requests),
+            driver.step(metadata({"a": 6, "b": 5}, hashes={"a": [block_hash("a", 0)]}), [("b", 5, 2), ("a", 6, 1)],
+                        rejected=[1, 0], padded_requests=padded_requests),
+        ]
+        check_output(outputs[0], "a", 0, 6)
+        check_output(outputs[1], "b", 5, 6)
+        check_output(outputs[1], "a", 6, 7)
+        runs.append(([{r: (o.token_start, o.rows.tolist()) for r, o in out.items()} for out in outputs], driver.cache.stats()))
+    assert runs[0] == runs[1]
 
 
 def test_acceptance_counts_for_fewer_requests_than_the_step_are_refused():
