@@ -394,6 +394,9 @@ class SimModelRunner:
             self._update_kv_validity(spans, poison_starts)
 
         feed_rows(self.connector, torch.from_numpy(np.stack(rows)), self.vllm_config)
+        # As vLLM 0.33 / 0.34 under full CUDA graphs: query_start_loc_np covers the request count
+        # padded to a captured batch size (here the next power of two), the pads at the token count.
+        query_start_loc += [query_start_loc[-1]] * ((1 << (len(order) - 1).bit_length()) - len(order))
         input_batch = SimpleNamespace(
             req_ids=order,
             query_start_loc_np=np.array(query_start_loc, dtype=np.int32),
