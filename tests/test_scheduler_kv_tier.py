@@ -17,6 +17,7 @@ import csv
 import dataclasses
 import subprocess
 import sys
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,16 @@ def finish(engine, setup, request_id, prompt, max_tokens=1):
     engine.check_finished_request(request_id)
 
 
+def kv_blocks_of(setup, tokens, count: int | None = None) -> list:
+    """The scheduler side's keys of the KV blocks of ``tokens`` (the first ``count``)."""
+    probe = make_request(setup, "probe", tokens, 1)
+    return [block for block, _ in islice(setup.scheduler.aux_output_connector._kv_blocks(probe.block_hashes), count)]
+
+
 def retained_blocks_of(setup, prompt) -> list[int]:
     """Which of ``prompt``'s blocks the scheduler side retains."""
-    aux = setup.scheduler.aux_output_connector
-    probe = make_request(setup, "probe", prompt, 1)
-    return [i for i, (block, _) in enumerate(aux._kv_blocks(probe.block_hashes)) if block in aux._kv_cached]
+    retained = setup.scheduler.aux_output_connector._kv_cached
+    return [i for i, block in enumerate(kv_blocks_of(setup, prompt)) if block in retained]
 
 
 @pytest.mark.parametrize("kv_connector", TIER_CONNECTORS)
@@ -106,10 +112,35 @@ def test_a_hit_makes_its_blocks_the_newest_in_the_release_order_last_block_first
     finish(engine, setup, "filler", random_prompt(rng, 2 * BLOCK))
     aux = setup.scheduler.aux_output_connector
     probe = make_request(setup, "probe", prompt_a, 1)
-    blocks = [block for block, _ in aux._kv_blocks(probe.block_hashes)]
+    blocks = kv_blocks_of(setup, prompt_a)
     assert list(aux._kv_cached)[:4] == blocks[::-1]  # retained at finish, the oldest
     assert aux.covered_tokens(probe) == 4 * BLOCK
     assert list(aux._kv_cached)[-4:] == blocks[::-1] and len(aux._kv_cached) == 6
+
+
+def test_a_finish_makes_the_retained_blocks_it_computed_the_newest_last_block_first():
+    """A request whose blocks are retained already (another request with the same prompt ran
+    beside it and finished first: its hit check found nothing retained to touch) moves them
+    behind every other retained block when it finishes, its last block first, as its own new
+    blocks are: the blocks a request just used are released last."""
+    setup, engine, _ = tier_engine(TIER_CONNECTORS[0], "ours", num_blocks=16, tier=64)
+    rng = np.random.default_rng(6)
+    prompt = random_prompt(rng, 4 * BLOCK)
+    engine.add(make_request(setup, "a", prompt, 1))
+    engine.add(make_request(setup, "b", prompt, 12))
+    engine.run_until_finished("a")
+    engine.add(make_request(setup, "filler", random_prompt(rng, 2 * BLOCK), 1))
+    engine.run_until_finished("filler")
+    assert "b" not in engine.finished
+    aux = setup.scheduler.aux_output_connector
+    shared = kv_blocks_of(setup, prompt, 4)
+    assert list(aux._kv_cached)[:4] == shared[::-1]  # retained at a's finish, older than the filler's
+    engine.flush()
+    engine.check_finished_request("b")
+    b = engine.requests["b"]
+    own = kv_blocks_of(setup, list(b.all_token_ids), b.num_computed_tokens // BLOCK)
+    assert own[:4] == shared and len(own) > 4
+    assert list(aux._kv_cached)[-len(own):] == own[::-1]
 
 
 @pytest.mark.parametrize("scheduler_connector", ["ours", "vllm"])
