@@ -193,6 +193,7 @@ def test_retention_capacity_is_the_gpu_kv_plus_the_tier_the_connector_reports(kv
     ("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 40 * 4096}),
     ("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 40 * 4096, "cpu_bytes_to_use_per_rank": 20 * 4096}),
     ("SimpleCPUOffloadConnector", {"kv_offload_backend": "disk", "disk_capacity_bytes": 50 * 4096}),
+    ("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 1}),  # under one block: vLLM keeps one, its null block
 ])
 def test_a_tier_sized_in_bytes_is_the_tier_the_connector_reports(kv_connector, extra, monkeypatch, tmp_path):
     """Tiers sized as users size them (bytes, chunks, a disk backend): the same count of GPU KV
