@@ -242,3 +242,23 @@ def test_nixl_is_refused_with_routed_experts_unless_the_user_opts_in(monkeypatch
         plugin.register()
     with pytest.raises(ValueError, match="ROUTED_EXPERTS_CACHE_PD_CONNECTORS='sometimes' is not understood"):
         _config_with("NixlConnector")
+
+
+def test_a_request_id_used_again_takes_its_new_import_or_none_never_the_old_one():
+    """An import is checked once per request and kept while the request runs; a finish must
+    drop it. A new request under a finished id, with another prompt, takes its own import (its
+    rows exact), and one without an import recomputes: the old request's rows would be
+    published under the new prompt's block hashes."""
+    (p_setup, p_engine), (d_setup, d_engine), run = pd_pair()
+    rng = np.random.default_rng(12)
+    first = {f"r{i}": random_prompt(rng, 40) for i in range(2)}
+    decode(d_setup, d_engine, first, prefill(p_setup, p_engine, first))
+    second = {request_id: random_prompt(rng, 40) for request_id in first}
+    second_params = prefill(p_setup, p_engine, second)
+    decode(d_setup, d_engine, second, second_params)  # every row checked against the oracle
+    assert all(run.decisions[r].accepted == run.decisions[r].offered > 0 for r in second)
+    third = {request_id: random_prompt(rng, 40) for request_id in first}
+    third_params = prefill(p_setup, p_engine, third)
+    stripped = {r: {k: v for k, v in third_params[r].items() if k != ROWS_KEY} for r in third}
+    decode(d_setup, d_engine, third, stripped)
+    assert all(run.decisions[r].offered > 0 and run.decisions[r].accepted == 0 for r in third)

@@ -135,6 +135,12 @@ class SimEngine:
         return self.runner.stats
 
     def add(self, request: Request) -> None:
+        """Schedule a new request; an id used before (finished or aborted) names a new request."""
+        if request.request_id in self.finished or request.request_id in self.aborted:
+            for per_request in (self.finished, self.kv_transfer_params):
+                per_request.pop(request.request_id, None)
+            self.aborted.discard(request.request_id)
+            self.runner.forget(request.request_id)
         self.requests[request.request_id] = request
         self.chunks[request.request_id] = []
         self.scheduler.add_request(request)

@@ -116,6 +116,11 @@ class SimModelRunner:
         cache.check_consistency()
         self.stats.max_pending_pages = max(self.stats.max_pending_pages, cache.stats()["pending"])
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's device-side history: its id now names a new request."""
+        for per_request in (self.tokens, self.states, self.last_drafts, self.emitted_versions):
+            per_request.pop(request_id, None)
+
     # -- helpers
     def _states(self, request_id: str) -> list[bytes]:
         tokens, states = self.tokens[request_id], self.states.setdefault(request_id, [])
