@@ -1022,6 +1022,26 @@ def test_release_only_drops_retained_pins_never_a_requests_pin(make_cache, gen):
     assert_accounting(cache)
 
 
+def test_a_first_capture_in_two_spans_of_one_call_counts_its_released_pins_once(make_cache, gen):
+    """The look-ahead that picks the copy's target pages counts the pins a first capture stops
+    holding (its own blocks' hashes) once per request, however many spans it has in the call:
+    here every hash is still pinned by the live request that published it, so nothing is
+    released and the call is refused with nothing changed (counted twice, the publisher's page
+    would be taken as a target)."""
+    cache = make_cache(3)
+    rows_a = rand_rows(gen, 8)
+    cache.capture("a", 0, rows_a)
+    cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+    cache.add_block_hashes("b", [h("a", 0), h("a", 1)])  # a prefix hit on both blocks
+    before = cache.stats()
+    with pytest.raises(CacheFullError):
+        cache.capture_batch(rand_rows(gen, 8), ["b", "b"], [0, 4], [0, 4], [4, 4])
+    assert cache.stats() == before
+    assert_rows(cache.read("a", 0, 8), u8(rows_a))
+    assert_rows(cache.read("b", 0, 8), u8(rows_a))
+    assert_accounting(cache)
+
+
 def test_evictable_pages_stay_findable_until_evicted(make_cache, gen):
     cache = make_cache(6)
     rows_a = rand_rows(gen, 8)
