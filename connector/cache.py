@@ -410,9 +410,10 @@ class RoutedExpertsCache:
         that first captures of this call stop pinning), planned spans first, then the batch.
         """
         batch_new = total(batch[4]) if batch is not None else 0
+        first_capture_unpins = self._first_capture_unpins(plans) if plans else []
         releasing = []  # with enough free pages, the allocation below takes no page they release
-        if plans and num_new_pages + batch_new > len(self._pages.free):
-            releasing = self._pages.released_by(self._first_capture_unpins(plans))
+        if first_capture_unpins and num_new_pages + batch_new > len(self._pages.free):
+            releasing = self._pages.released_by(first_capture_unpins)
         self._check_room(plans, num_new_pages, batch, batch_new, len(releasing))
         new_pages, victims, demotions = self._pages.next_pages(num_new_pages + batch_new, releasing)
         seeds, segments = [], []
@@ -439,7 +440,7 @@ class RoutedExpertsCache:
         # Every page is taken before any block settles: settling frees and pins pages, which
         # would change which pages the allocation takes from the ones the copy wrote.
         if plans:
-            self._start_first_captures(plans)  # before allocating: pages they release are taken too
+            self._start_first_captures(plans, first_capture_unpins)  # before allocating: pages they release are taken too
         pages = self._pages.allocate_many(num_new_pages + batch_new)
         if plans:
             self._commit_captures(plans, pages[:num_new_pages])
@@ -686,9 +687,10 @@ class RoutedExpertsCache:
                 unpins += reversed(request.hashes[start // self.page_size :])
         return unpins
 
-    def _start_first_captures(self, plans: list[tuple]) -> None:
-        """First captures stop pinning their own blocks' hashes: the request reads its own
-        pages there (in the order ``_first_capture_unpins`` lists)."""
+    def _start_first_captures(self, plans: list[tuple], unpins: list[bytes]) -> None:
+        """First captures stop pinning their own blocks' hashes, ``unpins`` (from
+        ``_first_capture_unpins``): the request reads its own pages there."""
+        hit_rows = 0
         for request_id, request, start, *_ in plans:
             if request.first_block is None:
                 request.first_block = start // self.page_size
@@ -696,8 +698,9 @@ class RoutedExpertsCache:
                     self._register(request_id, request)
                 self._slots.first_block[request.slot] = request.first_block
                 self._slots.cursor[request.slot] = start
-                self._counters["prefix_hit_rows"] += start
-                self._pages.unpin(reversed(request.hashes[request.first_block :]))
+                hit_rows += start
+        self._counters["prefix_hit_rows"] += hit_rows
+        self._pages.unpin(unpins)
 
     def _commit_captures(self, plans: list[tuple], pages: list[int]) -> None:
         """Apply planned captures: their new pages (in plan order) and cursors."""
@@ -1234,21 +1237,39 @@ class RoutedExpertsCache:
         last blocks become the first to be evicted.
         """
         check_request_id(request_id)
-        request = self._requests.pop(request_id, None)
-        if request is None:
+        self.finish_step([request_id])
+
+    def finish_step(self, request_ids: list) -> None:
+        """``finish`` for an engine step's finished requests, in order, whose ids the caller has
+        checked: the pages freed and the pins released are those of ``finish`` one request
+        after another, in the same order, with one free-list extend and one ``unpin`` for all
+        of them (finishing a request frees pages and drops pins but publishes nothing, so the
+        next request's kept pages are the same either way)."""
+        pop, finished, finished_ids = self._requests.pop, [], []
+        for request_id in request_ids:
+            request = pop(request_id, None)
+            if request is not None:
+                finished.append(request)
+                finished_ids.append(request_id)
+        if not finished:
             return
-        self._slots.remove(request_id)
-        if request.first_block is None:
-            self._pages.unpin(reversed(request.hashes))
-            return
-        # Own pages published under their block's hash stay (pinned by this request until the
-        # unpin below); every other own page (tail, pending, duplicate) is freed.
-        first_block, settled = request.first_block, request.num_settled
-        own, pages = request.hashes[first_block : first_block + settled], request.own_pages
-        kept = list(map(eq, map(self._pages.published.get, own), pages))
-        self._pages.free.extend(reversed(pages[settled:]))
-        self._pages.free.extend(compress(reversed(pages[:settled]), map(not_, reversed(kept))))
-        self._pages.unpin(chain(reversed(list(compress(own, kept))), reversed(request.hashes[:first_block])))
+        self._slots.remove_many(finished_ids)
+        published_get, freed, unpins = self._pages.published.get, [], []
+        for request in finished:
+            if request.first_block is None:
+                unpins.append(reversed(request.hashes))
+                continue
+            # Own pages published under their block's hash stay (pinned by this request until the
+            # unpin below); every other own page (tail, pending, duplicate) is freed.
+            first_block, settled = request.first_block, request.num_settled
+            own, pages = request.hashes[first_block : first_block + settled], request.own_pages
+            kept = list(map(eq, map(published_get, own), pages))
+            freed.append(reversed(pages[settled:]))
+            freed.append(compress(reversed(pages[:settled]), map(not_, reversed(kept))))
+            unpins.append(reversed(list(compress(own, kept))))
+            unpins.append(reversed(request.hashes[:first_block]))
+        self._pages.free.extend(chain.from_iterable(freed))
+        self._pages.unpin(chain.from_iterable(unpins))
 
     def rewind(self, request_id, position: int) -> None:
         """Forget a request's captured rows from ``position`` on: the engine recomputes them.

@@ -48,12 +48,15 @@ class RequestSlots:
         self.first_block[slot] = -1
         return slot
 
-    def remove(self, request_id) -> None:
-        """Free a live request's slot (its table row is overwritten by the next owner's pages)."""
-        slot = self.of.pop(request_id)
-        self.requests[slot] = None
-        self.ids[slot] = None
-        self.free.append(slot)
+    def remove_many(self, request_ids: list) -> None:
+        """Free live requests' slots, in order (their table rows are overwritten by the next
+        owners' pages)."""
+        requests, ids, pop = self.requests, self.ids, self.of.pop
+        for request_id in request_ids:
+            slot = pop(request_id)
+            requests[slot] = None
+            ids[slot] = None
+            self.free.append(slot)
 
     def set_pages(self, slots, own_blocks, pages) -> None:
         """``table[slots, own_blocks] = pages``, widening the table to the largest own block."""

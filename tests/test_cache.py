@@ -1078,6 +1078,50 @@ def test_finish_of_unknown_request_is_a_no_op(make_cache, gen):
     assert_accounting(cache)
 
 
+def _pool_order(cache) -> tuple:
+    """What decides the next allocations: the free pages and the evictable hashes, in order,
+    with the pins and the free slots."""
+    pages = cache._pages
+    return list(pages.free), list(pages.evictable), dict(pages.pins), list(cache._slots.free), cache.page_states()
+
+
+def test_finishing_a_steps_requests_at_once_equals_finishing_them_one_by_one(make_cache, gen):
+    """``finish_step`` (the connector's call for a step's finished requests) frees the same
+    pages and releases the same pins in the same order as ``finish`` per request: requests
+    with tail, pending, published and duplicate pages, a prefix hit, one that only has hashes,
+    an unknown id and an id listed twice; the next allocations then evict the same blocks."""
+    one_by_one, at_once = make_cache(14, page_size=4), make_cache(14, page_size=4)
+    rows = {tag: rand_rows(gen, 11) for tag in "abc"}
+    for cache in (one_by_one, at_once):
+        cache.capture("a", 0, rows["a"])  # 2 published blocks, a tail
+        cache.add_block_hashes("a", [h("a", 0), h("a", 1)])
+        cache.capture("b", 0, rows["b"][:9])  # 2 pending blocks (no hashes), a tail
+        cache.capture("c", 0, rows["a"][:10])  # the same blocks as a: duplicates, a tail
+        cache.add_block_hashes("c", [h("a", 0), h("a", 1)])
+        cache.add_block_hashes("d", [h("a", 0), h("a", 1)])  # a prefix hit, then its own block
+        cache.capture("d", 8, rows["c"][:6])
+        cache.add_block_hashes("d", [h("d", 2)])
+        cache.add_block_hashes("e", [h("a", 1), h("x", 9)])  # hashes only: pins, no pages
+    finished = ["a", "e", "d", "nobody", "c", "b", "a"]  # d's prefix blocks are evictable once d finishes
+    for request_id in finished:
+        one_by_one.finish(request_id)
+    at_once.finish_step(finished)
+    assert _pool_order(at_once) == _pool_order(one_by_one)
+    assert at_once.stats() == one_by_one.stats()
+    free = at_once.stats()["free"]
+    y_rows = rand_rows(gen, (free + 2) * 4)
+    for cache in (one_by_one, at_once):  # every free page, then two evictions in the order above
+        cache.capture("y", 0, y_rows)
+        assert_accounting(cache)
+    assert _pool_order(at_once) == _pool_order(one_by_one)
+    assert at_once.stats()["evictions"] == one_by_one.stats()["evictions"] == 2
+    # Each request's pins went in reverse block order: d's own block, then its prefix a1, a0.
+    published = [block_hash for block_hash in (h("d", 2), h("a", 1), h("a", 0)) if at_once.is_published(block_hash)]
+    assert published == [h("a", 0)]
+    at_once.finish_step([])
+    assert _pool_order(at_once) == _pool_order(one_by_one)
+
+
 def test_reset_drops_everything_and_old_hashes_never_hit(make_cache, gen):
     cache = make_cache(6)
     rows = rand_rows(gen, 10)

@@ -281,8 +281,8 @@ class CacheWorkerConnector:
                     self._cache.add_block_hashes_step(hashes.request_ids, hashes.hash_lists)
                 if imports:
                     self._import_rows(imports, dict(zip(hashes.request_ids, hashes.hash_lists)))
-                for request_id in teardowns:
-                    self._cache.finish(request_id)
+                if teardowns:
+                    self._cache.finish_step(teardowns)
         finally:
             self._deferred_teardowns.clear()
 
@@ -421,8 +421,9 @@ class CacheWorkerConnector:
                     slots = pending.slots
                     self._pending[slots] -= 1
                     if self._awaiting_teardown:
-                        for i in (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist():
-                            self._teardown(pending.request_ids[i])
+                        done = (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist()
+                        if done:
+                            self._teardown([pending.request_ids[i] for i in done])
 
     def _log_stats(self) -> None:
         """One line in vLLM's log style: pool use by page state, and counters since the last line."""
@@ -612,10 +613,12 @@ class CacheWorkerConnector:
         on CPU too (a capturer may hand out a view of a buffer it writes again next step)."""
         return snapshot.to(device="cpu", dtype=self._cache.dtype, copy=True).numpy()
 
-    def _teardown(self, request_id: str) -> None:
-        self._awaiting_teardown.discard(request_id)
-        del self._slot_of[request_id]
-        self._cache.finish(request_id)
+    def _teardown(self, request_ids: list) -> None:
+        """Tear down finished requests whose last step outputs were processed."""
+        self._awaiting_teardown.difference_update(request_ids)
+        for request_id in request_ids:
+            del self._slot_of[request_id]
+        self._cache.finish_step(request_ids)
 
     def close(self) -> None:
         with self._lock:
