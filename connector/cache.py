@@ -21,9 +21,9 @@ take an engine step's requests at once; ``capture``, ``read`` and ``add_block_ha
 same calls for one request. Each checks every argument before anything changes. An engine
 connector checks its step's arguments once, where they arise (vLLM's batch arrays and its own
 state): ``capture_step`` (``capture_step_small``: spans as lists), ``read_step``,
-``add_block_hashes_step`` and ``pin_step`` are the same operations without those checks,
-keeping the ones only the cache can make (a first capture's start, ranges, room, releases of
-what was not retained).
+``add_block_hashes_step``, ``pin_step`` and ``finish_step`` are the same operations without
+those checks, keeping the ones only the cache can make (a first capture's start, ranges, room,
+releases of what was not retained).
 
 Every request also has a slot: its cursor and first captured block live in slot-indexed
 arrays, and a block table ``[slots, blocks]`` mirrors its own pages. Up to ``SMALL_BATCH``
