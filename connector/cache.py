@@ -909,8 +909,8 @@ class RoutedExpertsCache:
                     pinning += hashes
                     continue
                 pinning += hashes[: first_block - first_new]
-            # Its full own blocks whose hashes are now known settle: ``_take_settling`` inlined
-            # (a call, ``min`` and slices per request cost 1.6x this, measured at 16-256 requests).
+            # Its full own blocks whose hashes are now known settle, as in ``_settle`` (inlined
+            # here: a call, ``min`` and slices per request cost 1.6x this, measured at 16-256 requests).
             settled, full = request.num_settled, cursor_of(request.slot) // size
             settling = (full if full < len(known) else len(known)) - first_block
             if settling == settled + 1:  # a decode step's newly full block
@@ -1037,34 +1037,37 @@ class RoutedExpertsCache:
         request keeps reading its own copy, freed at finish (``PagePool.publish``).
         """
         hashes, pages, ends = [], [], []
+        size, cursor_of = self.page_size, self._slots.cursor.item
         for request in requests:
-            if request.first_block is not None:
-                self._take_settling(request, hashes, pages)
+            first_block = request.first_block
+            if first_block is not None:  # its full own blocks with known hashes not settled yet
+                settled, known = request.num_settled, request.hashes
+                full = cursor_of(request.slot) // size
+                settling = (full if full < len(known) else len(known)) - first_block
+                if settling == settled + 1:  # one block: no slices (a list slice costs more than an index here)
+                    hashes.append(known[first_block + settled])
+                    pages.append(request.own_pages[settled])
+                    request.num_settled = settling
+                elif settling > settled:
+                    hashes += known[first_block + settled : first_block + settling]
+                    pages += request.own_pages[settled:settling]
+                    request.num_settled = settling
             ends.append(len(hashes))
         if not hashes:
             return
         if order is not None and len(requests) > 1 and len(set(hashes)) < len(hashes):
-            rank = {}
-            for position, request_id in enumerate(order):
-                rank.setdefault(request_id, position)
+            # Each id's first position in ``order``, in C-level passes (``order`` lists every
+            # request of the step, not only these): reversed, so that the first position is
+            # the one a repeated id keeps.
+            listed = list(order)
+            rank = dict(zip(reversed(listed), range(len(listed) - 1, -1, -1)))
             ids, starts = self._slots.ids, [0, *ends[:-1]]
             by_rank = sorted(range(len(requests)), key=lambda j: rank.get(ids[requests[j].slot], len(rank)))
-            hashes, pages = ([value for j in by_rank for value in values[starts[j] : ends[j]]] for values in (hashes, pages))
+            hashes, pages = (
+                list(chain.from_iterable(map(values.__getitem__, (slice(starts[j], ends[j]) for j in by_rank))))
+                for values in (hashes, pages)
+            )
         self._pages.publish_many(hashes, pages)
-
-    def _take_settling(self, request: _Request, hashes: list[bytes], pages: list[int]) -> None:
-        """Add a capturing request's full own blocks whose hashes are known and that are not
-        settled yet to ``hashes`` / ``pages`` (to publish), and count them settled."""
-        first_block, settled = request.first_block, request.num_settled
-        settling = min(self._slots.cursor.item(request.slot) // self.page_size, len(request.hashes)) - first_block
-        if settling == settled + 1:  # one block: no slices (a list slice costs more than an index here)
-            hashes.append(request.hashes[first_block + settled])
-            pages.append(request.own_pages[settled])
-            request.num_settled = settling
-        elif settling > settled:
-            hashes += request.hashes[first_block + settled : first_block + settling]
-            pages += request.own_pages[settled:settling]
-            request.num_settled = settling
 
     # -------------------------------------------------------------------- read
 

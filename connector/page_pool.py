@@ -146,16 +146,22 @@ class PagePool:
         return True
 
     def publish_many(self, hashes: list[bytes], pages: list[int]) -> None:
-        """``publish`` each pair in order: one dict update when none of the hashes is published
-        yet (a request's newly full blocks, the common case), else ``publish`` inlined for new
-        hashes and for pinned ones (duplicates: nothing changes), and called for the rest."""
+        """``publish`` each pair in order: dict updates when none of the hashes is published
+        yet (a step's newly full blocks, the common case; where two requests complete the same
+        block, the first pair publishes and pins it and the later ones change nothing, as
+        ``publish`` would), else ``publish`` inlined for new hashes and for pinned ones
+        (duplicates: nothing changes), and called for the rest."""
         published, pins = self.published, self.pins
-        if published.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+        if published.keys().isdisjoint(hashes):
+            if len(set(hashes)) < len(hashes):  # each hash's first page (reversed: the first pair is written last)
+                first_page = dict(zip(reversed(hashes), reversed(pages)))
+                hashes = list(dict.fromkeys(hashes))
+                pages = list(map(first_page.__getitem__, hashes))
             published.update(zip(hashes, pages))
             count_into(pins, hashes)
             self.published_blocks += len(hashes)
             return
-        for block_hash, page in zip(hashes, pages):  # requests computing the same blocks at once
+        for block_hash, page in zip(hashes, pages):  # hashes published before: duplicates, recomputed blocks
             if block_hash not in published:
                 published[block_hash] = page
                 pins[block_hash] = pins.get(block_hash, 0) + 1

@@ -683,6 +683,24 @@ def test_a_block_two_requests_complete_in_one_call_is_published_by_the_first_lis
     assert_accounting(cache)
 
 
+def test_a_request_listed_twice_publishes_as_listed_at_its_first_span(make_cache, gen):
+    """"a" is listed first and third, "b" second, and both complete block 0 in the call: "a"
+    publishes it, as listed first (its first position counts, not its last)."""
+    cache = make_cache(8)
+    rows = {"a": rand_rows(gen, 4), "b": rand_rows(gen, 4)}
+    cache.capture("a", 0, rows["a"][:1])
+    cache.add_block_hashes("a", [h("p", 0)])
+    cache.add_block_hashes("b", [h("p", 0)])
+    source = torch.cat([rows["a"][1:2], rows["b"], rows["a"][2:]])
+    cache.capture_batch(source, ["a", "b", "a"], [1, 0, 2], [0, 1, 5], [1, 4, 2])
+    assert states(cache, "duplicate", "published") == dict(duplicate=1, published=1)
+    cache.add_block_hashes("c", [h("p", 0)])
+    assert_rows(cache.read("c", 0, 4), u8(rows["a"]))  # the index: "a"'s page
+    for request_id in ("a", "b"):
+        assert_rows(cache.read(request_id, 0, 4), u8(rows[request_id]))
+    assert_accounting(cache)
+
+
 @pytest.mark.parametrize("call", ["capture_step", "capture_step_arrays"])
 @pytest.mark.parametrize("a_continues", [True, False], ids=["continuing-and-first", "both-first"])
 @pytest.mark.parametrize("publisher", ["a", "b"])

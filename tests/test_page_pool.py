@@ -174,17 +174,18 @@ OPS = st.lists(st.tuples(
 @settings(max_examples=400, deadline=None)
 @given(num_pages=st.integers(1, 6), host_pages=st.integers(0, 3), ops=OPS)
 def test_lists_of_hashes_change_the_pool_as_their_hashes_one_by_one(num_pages, host_pages, ops):
-    """Pins, unpins, retains and releases of a list leave the pool as the same calls hash by
-    hash do, orders included: the contract a bulk implementation of them must keep."""
+    """Publishes, pins, unpins, retains and releases of a list leave the pool as the same calls
+    hash by hash do, orders included: the contract a bulk implementation of them must keep."""
     bulk, single = PagePool(num_pages, host_pages), PagePool(num_pages, host_pages)
     request_pins: Counter = Counter()  # what a request holds: unpins take only those
     for op, hashes in ops:
-        if op == "publish":
-            hashes = [h for h in dict.fromkeys(hashes) if h not in bulk.published][: bulk.room()]
-            for pool in (bulk, single):
-                for block_hash in hashes:
-                    pool.publish(block_hash, pool.allocate())
-            request_pins.update(hashes)  # the publisher's pin
+        if op == "publish":  # a list as a step settles it: repeated and published hashes too
+            hashes = hashes[: bulk.room()]
+            pages = [bulk.allocate() for _ in hashes]
+            assert [single.allocate() for _ in hashes] == pages
+            bulk.publish_many(hashes, pages)
+            request_pins.update(h for h, page in zip(hashes, pages) if single.publish(h, page))  # publishers' pins
+            assert pool_state(bulk) == pool_state(single)
             continue
         if op == "allocate":
             if bulk.room():
