@@ -209,11 +209,18 @@ class PagePool:
                 self._place(block_hash)
 
     def retain(self, hashes: list[bytes]) -> None:
-        retained, pins = self.retained, self.pins
-        count_into(retained, hashes)
-        count_into(pins, hashes)
-        for block_hash in filter(self.published.__contains__, hashes):  # only published hashes have a place
-            if pins[block_hash] == retained[block_hash]:  # else pinned by a request before and now: in no order
+        """The scheduler's pins: a hash held by retains only goes to the demotion order. One
+        pass, each hash's entries looked up once (the pool's dicts are large: a lookup is a
+        cache miss), in the order of several passes (``held - retains`` stays the same while
+        a hash is counted, so each occurrence compares as the last would)."""
+        retained, pins, published = self.retained, self.pins, self.published
+        retained_get, pins_get = retained.get, pins.get
+        for block_hash in hashes:
+            retains = retained_get(block_hash, 0) + 1
+            retained[block_hash] = retains
+            held = pins_get(block_hash, 0) + 1
+            pins[block_hash] = held
+            if held == retains and block_hash in published:  # else pinned by a request too: in no order
                 self._place(block_hash)
 
     def release(self, hashes: list[bytes]) -> None:
