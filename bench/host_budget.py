@@ -49,7 +49,7 @@ COPIES = "row copies (not bookkeeping)"
 PARTS = {  # part -> where it begins: (class, methods); every PagePool method is the page pool
     "connector: checks, cursors, commit loop, outputs": (CacheWorkerConnector, ("begin_step", "prepare_output", "process_output")),
     "cache: slots, block hashes, pins, finishes": (
-        RoutedExpertsCache, ("slots_step", "add_block_hashes_step", "pin_step", "check_pin_step", "finish", "rewind")),
+        RoutedExpertsCache, ("slots_step", "add_block_hashes_step", "pin_step", "check_pin_step", "finish", "finish_step", "rewind")),
     "cache: capture planning (segments, pages, block table)": (RoutedExpertsCache, ("capture_step", "capture_step_small")),
     "cache: reads of earlier rows": (RoutedExpertsCache, ("read_step",)),
     "page pool: per-hash index, pins, eviction order": (PagePool, None),
