@@ -209,10 +209,11 @@ class PagePool:
                 self._place(block_hash)
 
     def retain(self, hashes: list[bytes]) -> None:
-        """The scheduler's pins: a hash held by retains only goes to the demotion order. One
-        pass, each hash's entries looked up once (the pool's dicts are large: a lookup is a
-        cache miss), in the order of several passes (``held - retains`` stays the same while
-        a hash is counted, so each occurrence compares as the last would)."""
+        """The scheduler's pins. A published hash held by retains alone goes to the demotion
+        order on the device and leaves the host's eviction order. One pass, each hash's entries
+        looked up once (the pool's dicts are large: a lookup is mostly a cache miss); ``held -
+        retains`` stays the same while a hash is counted, so each occurrence compares as the
+        last would, and the places are those of counting first and placing after."""
         retained, pins, published = self.retained, self.pins, self.published
         retained_get, pins_get = retained.get, pins.get
         for block_hash in hashes:
