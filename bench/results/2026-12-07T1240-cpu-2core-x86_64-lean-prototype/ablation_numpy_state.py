@@ -26,27 +26,51 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[2]), str(HERE)]
 
-from bench.bench_host import WideCapturer, bookkeeping, builders, record_trace, replay_alternating, same_outputs  # noqa: E402
-from cpu_harness.vllm_scheduler import build_our_connector  # noqa: E402
-from lean_prototype import LeanConnector  # noqa: E402
+from bench.bench_host import bookkeeping, builders, record_trace, replay_alternating, same_outputs  # noqa: E402
+from lean_prototype import LeanConnector, pool_layout  # noqa: E402
 
 SLOTS, BLOCKS = 4096, 128
 
 
-class MirroredConnector(LeanConnector):
+class _SlotMirror(LeanConnector):
+    """The checked prototype with slots for its requests (as this project's slot arrays index
+    them) and a block table: what both mirrors below share."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args, checked=True)
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(SLOTS - 1, -1, -1))
+        self.table = np.zeros((SLOTS, BLOCKS), dtype=np.int64)
+        self.step_slots: dict[int, np.ndarray] = {}
+
+    def _take_slots(self, request_ids: list) -> list[int]:
+        taken = [self.free_slots.pop() for _ in request_ids]
+        self.slot_of.update(zip(request_ids, taken))
+        return taken
+
+    def _write_new_pages(self, slots, pages_before: list[int], states) -> None:
+        """The block-table write of the step's new pages (the values are not the point)."""
+        new = [(slot, before) for slot, before, request in zip(slots, pages_before, states) if len(request.pages) > before]
+        if new:
+            table_slots, table_blocks = zip(*new)
+            self.table[list(table_slots), list(table_blocks)] = 0
+
+    def _free_finished_slots(self, pending) -> None:
+        for request_id, request in zip(pending.request_ids, pending.states):
+            if request.finished and not request.pending and request_id in self.slot_of:
+                self.free_slots.append(self.slot_of.pop(request_id))
+
+
+class MirroredConnector(_SlotMirror):
     """``parts``: which arrays to keep, "connector" and / or "cache"."""
 
     def __init__(self, *args, parts=("connector", "cache")) -> None:
-        super().__init__(*args, checked=True)
+        super().__init__(*args)
         self.connector_arrays, self.cache_arrays = "connector" in parts, "cache" in parts
-        self.slot_of: dict[str, int] = {}
-        self.free_slots = list(range(SLOTS - 1, -1, -1))
         self.emit_cursor, self.capture_cursor, self.scheduled_cursor, self.pending_count = (
             np.zeros(SLOTS, dtype=np.int64) for _ in range(4))
         self.finished_flag = np.zeros(SLOTS, dtype=bool)
         self.cache_cursor, self.cache_first_block = np.zeros(SLOTS, dtype=np.int64), np.full(SLOTS, -1, dtype=np.int64)
-        self.table = np.zeros((SLOTS, BLOCKS), dtype=np.int64)
-        self.step_slots: dict[int, np.ndarray] = {}
 
     def begin_step(self, metadata) -> None:
         if metadata is not None and self.connector_arrays:
@@ -57,10 +81,7 @@ class MirroredConnector(LeanConnector):
             [i for i in ahead if slots[i] >= 0 and self.pending_count[slots[i]] == 0]
             new = (slots < 0).nonzero()[0]
             if len(new):
-                new_ids = [ids[i] for i in new.tolist()]
-                taken = [self.free_slots.pop() for _ in new_ids]
-                self.slot_of.update(zip(new_ids, taken))
-                taken = np.array(taken, dtype=np.int64)
+                taken = np.array(self._take_slots([ids[i] for i in new.tolist()]), dtype=np.int64)
                 self.emit_cursor[taken] = emits[new]
                 self.capture_cursor[taken] = -1
                 self.scheduled_cursor[taken] = 0
@@ -69,9 +90,7 @@ class MirroredConnector(LeanConnector):
         if metadata is not None and self.cache_arrays:
             new_ids = [request_id for request_id in metadata.requests if request_id not in self.slot_of]
             if new_ids:
-                taken = [self.free_slots.pop() for _ in new_ids]
-                self.slot_of.update(zip(new_ids, taken))
-                self.cache_first_block[np.array(taken, dtype=np.int64)] = -1
+                self.cache_first_block[np.array(self._take_slots(new_ids), dtype=np.int64)] = -1
         super().begin_step(metadata)
 
     def prepare_output(self, batch):
@@ -100,17 +119,12 @@ class MirroredConnector(LeanConnector):
         if self.cache_arrays:
             self.cache_cursor[slots] = captured
             self.cache_first_block[slots] = [request.first_block for request in states]
-            new = [(slot, before) for slot, before, request in zip(slots.tolist(), pages_before, states) if len(request.pages) > before]
-            if new:
-                table_slots, table_blocks = zip(*new)
-                self.table[list(table_slots), list(table_blocks)] = 0
-        for request_id, request in zip(pending.request_ids, states):
-            if request.finished and not request.pending and request_id in self.slot_of:
-                self.free_slots.append(self.slot_of.pop(request_id))
+            self._write_new_pages(slots.tolist(), pages_before, states)
+        self._free_finished_slots(pending)
         return result
 
 
-class PackedConnector(LeanConnector):
+class PackedConnector(_SlotMirror):
     """The checked prototype plus the same per-slot state kept as one packed array
     ``state[slot, field]`` (the five connector fields and the cache's cursor and first block),
     read and written once per step each (a gather of the step's rows as lists, one scatter of
@@ -120,12 +134,8 @@ class PackedConnector(LeanConnector):
     EMIT, CAPTURED, SCHEDULED, PENDING, FINISHED, CURSOR, FIRST_BLOCK = range(7)
 
     def __init__(self, *args) -> None:
-        super().__init__(*args, checked=True)
-        self.slot_of: dict[str, int] = {}
-        self.free_slots = list(range(SLOTS - 1, -1, -1))
+        super().__init__(*args)
         self.state = np.zeros((SLOTS, 7), dtype=np.int64)
-        self.table = np.zeros((SLOTS, BLOCKS), dtype=np.int64)
-        self.step_slots: dict[int, np.ndarray] = {}
 
     def begin_step(self, metadata) -> None:
         if metadata is not None:
@@ -134,9 +144,7 @@ class PackedConnector(LeanConnector):
             if known:
                 self.state[known].tolist()  # the emit-ahead check's rows
             if new_ids:
-                taken = [self.free_slots.pop() for _ in new_ids]
-                self.slot_of.update(zip(new_ids, taken))
-                self.state[taken] = [[metadata.requests[request_id], -1, 0, 0, 0, 0, -1] for request_id in new_ids]
+                self.state[self._take_slots(new_ids)] = [[metadata.requests[request_id], -1, 0, 0, 0, 0, -1] for request_id in new_ids]
         super().begin_step(metadata)
 
     def prepare_output(self, batch):
@@ -155,13 +163,8 @@ class PackedConnector(LeanConnector):
             [request.emit, request.captured, request.scheduled, request.pending, request.finished, request.captured, request.first_block]
             for request in states
         ]
-        new = [(slot, before) for slot, before, request in zip(slots, pages_before, states) if len(request.pages) > before]
-        if new:
-            table_slots, table_blocks = zip(*new)
-            self.table[list(table_slots), list(table_blocks)] = 0
-        for request_id, request in zip(pending.request_ids, states):
-            if request.finished and not request.pending and request_id in self.slot_of:
-                self.free_slots.append(self.slot_of.pop(request_id))
+        self._write_new_pages(slots, pages_before, states)
+        self._free_finished_slots(pending)
         return result
 
 
@@ -173,9 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     for concurrency in args.concurrency:
         setup, events, _ = record_trace(concurrency, 120, output_tokens=args.output_tokens)
-        ours = build_our_connector(setup, WideCapturer())
-        num_pages, page_size = ours.cache.num_pages, ours.cache.page_size
-        ours.close()
+        num_pages, page_size = pool_layout(setup)
         builds = {
             "ours": builders()["routed-experts-cache"],
             "lean, checked": lambda setup, capturer: LeanConnector(setup, capturer, num_pages, page_size, checked=True),

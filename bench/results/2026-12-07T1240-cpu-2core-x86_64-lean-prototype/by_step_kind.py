@@ -15,9 +15,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[2]), str(HERE)]
 
-from bench.bench_host import BUILTIN, WideCapturer, bookkeeping, builders, record_trace, replay_alternating  # noqa: E402
-from cpu_harness.vllm_scheduler import build_our_connector  # noqa: E402
-from lean_prototype import LeanConnector  # noqa: E402
+from bench.bench_host import BUILTIN, bookkeeping, builders, record_trace, replay_alternating  # noqa: E402
+from lean_prototype import LeanConnector, pool_layout  # noqa: E402
 
 ROUNDS = 5
 
@@ -37,9 +36,7 @@ def main() -> None:
     concurrency, output_tokens = int(sys.argv[1]), (int(sys.argv[2]), int(sys.argv[3]))
     setup, events, _ = record_trace(concurrency, 120, output_tokens=output_tokens)
     kinds = step_kinds(events)
-    ours = build_our_connector(setup, WideCapturer())
-    num_pages, page_size = ours.cache.num_pages, ours.cache.page_size
-    ours.close()
+    num_pages, page_size = pool_layout(setup)
     builds = {
         "ours": builders()["routed-experts-cache"],
         "lean, checked": lambda setup, capturer: LeanConnector(setup, capturer, num_pages, page_size, checked=True),

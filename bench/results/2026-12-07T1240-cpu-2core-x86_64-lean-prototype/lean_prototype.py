@@ -344,6 +344,15 @@ class LeanConnector:
         self.requests.clear()
 
 
+def pool_layout(setup) -> tuple[int, int]:
+    """The page count and page size this project's connector gives its pool on ``setup``: the
+    prototypes replay on a pool of the same size."""
+    ours = build_our_connector(setup, WideCapturer())
+    layout = ours.cache.num_pages, ours.cache.page_size
+    ours.close()
+    return layout
+
+
 class _LeanPending:
     __slots__ = ("connector", "request_ids", "states", "bounds", "starts", "snapshot", "sampled", "rejected")
 
@@ -368,9 +377,7 @@ def main() -> None:
     args = parser.parse_args()
     for concurrency in args.concurrency:
         setup, events, _ = record_trace(concurrency, args.steps, output_tokens=args.output_tokens)
-        ours = build_our_connector(setup, WideCapturer())
-        num_pages, page_size = ours.cache.num_pages, ours.cache.page_size
-        ours.close()
+        num_pages, page_size = pool_layout(setup)
         builds = {**builders(), FLOOR: OutputContractFloor,
                   LEAN: lambda setup, capturer: LeanConnector(setup, capturer, num_pages, page_size),
                   LEAN_CHECKED: lambda setup, capturer: LeanConnector(setup, capturer, num_pages, page_size, checked=True)}
