@@ -13,6 +13,15 @@ import numpy as np
 SMALL_BATCH = 64
 
 
+def stays_small(num_requests: int, small_now: bool) -> bool:
+    """Whether steps with ``num_requests`` tracked keep the small-batch state (the connector's
+    per-request objects): above ``SMALL_BATCH`` and a quarter no (the tracked requests run a
+    few above the batch: arrivals, finishes with outputs in flight); back to it at
+    ``SMALL_BATCH``, so that a batch size near a bound does not move every request's state
+    across step after step. ``SMALL_BATCH`` 0: never."""
+    return 0 < SMALL_BATCH and num_requests <= (SMALL_BATCH + SMALL_BATCH // 4 if small_now else SMALL_BATCH)
+
+
 def smallest(values: np.ndarray) -> int:
     return min(values.tolist()) if len(values) <= SMALL_BATCH else int(values.min())
 

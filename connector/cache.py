@@ -304,14 +304,21 @@ class RoutedExpertsCache:
 
     def capture_step_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
                            source_starts: list, counts: list, ends: list, order: Iterable | None = None) -> None:
-        """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for up
-        to ``SMALL_BATCH`` requests: the connector's small-batch commit builds them in one Python
-        pass, and a step of continuing spans whose new blocks take free pages needs no array of
-        them. Any other step (first captures, new blocks on evicted pages) goes through
-        ``_write``, the spans still lists."""
-        first = (self._slots.first_block[slots] < 0).nonzero()[0].tolist()
-        if first or not self._capture_continuing_small(source, slots, starts, source_starts, counts, ends, order):
-            self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first, order)
+        """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for a
+        few dozen requests: the connector's small-batch commit builds them in one Python pass.
+        The common step, continuing spans whose new blocks all take free pages (the first ones,
+        in span order), is planned in one pass over them, without ``_write``'s look-ahead
+        layers; any other (first captures, new blocks on evicted or demoted pages, a span past
+        ``max_position``) goes through ``_write``, the spans still lists."""
+        slot_list = slots.tolist()
+        segments = self._continuing_segments_small(
+            slot_list, starts, source_starts, counts, self._pages.free, self.max_position)
+        if segments is not None:
+            self._write_on_free_pages(source, slots, ends, sum(counts), segments, order)
+            return
+        requests = self._slots.requests
+        first = [i for i, slot in enumerate(slot_list) if requests[slot].first_block is None]
+        self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first, order)
 
     def _capture_planned_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
                                source_starts: list, counts: list, ends: list, first: list, order) -> None:
@@ -355,19 +362,6 @@ class RoutedExpertsCache:
             batch = (slots, starts, source_starts, counts, new_pages)
         if plans or batch is not None:
             self._write(plans, num_new_pages, self._source_words(source), batch, request_ids if order is None else order)
-
-    def _capture_continuing_small(self, source: torch.Tensor, slots: np.ndarray, starts: list,
-                                  source_starts: list, counts: list, ends, order) -> bool:
-        """``capture_step``'s common case without ``_write``'s look-ahead layers: a few
-        continuing spans (lists; no first captures) whose new blocks all take free pages (the
-        first ones, in span order). Returns False, changing nothing, where it does not apply (a
-        new block that needs an evicted or demoted page, a span past ``max_position``)."""
-        segments = self._continuing_segments_small(
-            slots.tolist(), starts, source_starts, counts, self._pages.free, self.max_position)
-        if segments is None:
-            return False
-        self._write_on_free_pages(source, slots, ends, sum(counts), segments, order)
-        return True
 
     def _capture_within_pages(self, source: torch.Tensor, slots: np.ndarray, starts: np.ndarray,
                               source_starts: np.ndarray, counts: np.ndarray, order) -> bool:
@@ -566,8 +560,8 @@ class RoutedExpertsCache:
         table cells the new pages fill (slot, own block), and the slots whose span completed a
         block. Plain Python over the spans for a few dozen of them (cheaper than a fixed set of
         array passes), vectorised above that, with fewer passes where no span is longer than a
-        page (decoding); all give the same result."""
-        if len(batch[0]) <= batch_size.SMALL_BATCH:
+        page (decoding); all give the same result. Spans given as lists take the plain pass."""
+        if type(batch[1]) is list or len(batch[0]) <= batch_size.SMALL_BATCH:
             return self._continuing_segments_small(*map(as_plain_list, batch[:4]), new_pages)
         if not np.count_nonzero(batch[3] > self.page_size):
             return self._segments_within_pages(batch, new_pages)
@@ -633,14 +627,15 @@ class RoutedExpertsCache:
                                    max_position: int | None = None):
         """``_continuing_segments`` in plain Python over the spans (lists, no arrays).
         ``new_pages`` may be the free pages themselves: None if the spans need more of them.
-        With ``max_position``: None too where a span ends past it."""
+        None too where a request has not captured before (a first capture: ``_plan_captures``
+        plans it), and with ``max_position`` where a span ends past it."""
         size, requests, taken = self.page_size, self._slots.requests, 0
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = [], [], [], [], [], []
         for slot, start, source_row, count in zip(slots, starts, source_starts, counts):
             request = requests[slot]
             pages, first_block = request.own_pages, request.first_block
             position, end = start, start + count
-            if max_position is not None and end > max_position:
+            if first_block is None or max_position is not None and end > max_position:
                 return None
             if not count:
                 continue

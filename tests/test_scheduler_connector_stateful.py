@@ -219,3 +219,24 @@ def test_connector_against_the_model_on_the_array_paths(monkeypatch):
     run_state_machine(ConnectorMachine, dict(max_examples=150, stateful_step_count=60))
     for what in ("reattached", "rejected_rows", "finished_in_flight", "delivered_rows", "materialized"):
         assert COVERAGE[what] > 0, (what, dict(COVERAGE))
+
+
+FORCED_STATE = {"small": True}  # what batch_size.stays_small answers in the switching machine
+
+
+class SwitchingConnectorMachine(ConnectorMachine):
+    """The machine with the connector's state moved between its per-request objects and its
+    slot arrays at random steps (``batch_size.stays_small`` forced), outputs in flight or not."""
+
+    @rule()
+    def switch_state(self) -> None:
+        FORCED_STATE["small"] = not FORCED_STATE["small"]
+        COVERAGE["switches_in_flight" if self.in_flight else "switches"] += 1
+
+
+def test_connector_against_the_model_across_state_switches(monkeypatch):
+    monkeypatch.setattr(batch_size, "stays_small", lambda num_requests, small_now: FORCED_STATE["small"])
+    COVERAGE.clear()
+    run_state_machine(SwitchingConnectorMachine, dict(max_examples=150, stateful_step_count=60))
+    for what in ("switches", "switches_in_flight", "reattached", "finished_in_flight", "delivered_rows"):
+        assert COVERAGE[what] > 0, (what, dict(COVERAGE))

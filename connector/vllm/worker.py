@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 from threading import Lock
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,24 @@ class ConnectorStateError(RoutedExpertsCacheError):
     """vLLM metadata or step outputs contradict the connector's request state."""
 
 
+class TrackedRequest:
+    """A tracked request: its cache slot, and while steps are small its state (in the slot
+    arrays of the same names while they are large)."""
+
+    __slots__ = ("slot", "emit_cursor", "capture_cursor", "scheduled_cursor", "pending", "finished")
+
+    def __init__(self, slot: int, emit_cursor: int) -> None:
+        self.slot = slot
+        self.emit_cursor = emit_cursor  # first row the client has not received
+        self.capture_cursor = -1  # next row to capture; -1 before the first
+        self.scheduled_cursor = 0  # end of what last ran, drafts included
+        self.pending = 0  # step outputs in flight covering the request
+        self.finished = False  # terminal event seen; teardown once pending is 0
+
+
+STATE_FIELDS = ("emit_cursor", "capture_cursor", "scheduled_cursor", "pending", "finished")
+
+
 @dataclass(eq=False)  # compared by identity: the connector keeps and removes these in a list
 class PendingCacheOutput:
     """One step's snapshot, kept on the device until the step's output is processed."""
@@ -74,6 +93,7 @@ class PendingCacheOutput:
     query_start_loc: np.ndarray
     snapshot: torch.Tensor
     emit_starts: dict[str, int]  # the step metadata's emit start per request
+    tracked: list[TrackedRequest] | None = None  # the requests' state objects (small steps)
     snapshot_ready: torch.cuda.Event | None = None  # recorded on the model's stream (CUDA only)
     num_sampled: np.ndarray | None = None
     num_rejected: np.ndarray | None = None
@@ -100,9 +120,13 @@ def working_set_pages(page_size: int, max_num_batched_tokens: int, max_num_seqs:
 class CacheWorkerConnector:
     """Capture routing rows into the device cache and return each request's rows.
 
-    Request state lives in arrays indexed by the request's cache slot (``cache.slots``), so
-    a step is a fixed number of numpy operations over vLLM's batch arrays; Python runs per
-    request only where requests start, finish, roll back, or get new block hashes.
+    Each tracked request's state (cursors, outputs in flight, finished) lives in one of two
+    places, chosen at each step's start by how many requests are tracked
+    (``batch_size.stays_small``): in its ``TrackedRequest`` while they are few, where one plain
+    pass over a step's requests costs less than a numpy call per field; in arrays indexed by
+    the request's cache slot while they are many, so that a step is a fixed number of numpy
+    operations over vLLM's batch arrays. A switch moves every tracked request's state across,
+    once. The rare steps (roll-backs, invalid counts) take the array path in either mode.
     """
 
     def __init__(
@@ -137,32 +161,56 @@ class CacheWorkerConnector:
 
     def _clear(self) -> None:
         self._slot_of: dict[str, int] = {}  # the requests this connector tracks -> cache slot
-        self._emit_cursor = np.zeros(0, dtype=np.int64)  # first row the client has not received
-        self._capture_cursor = np.zeros(0, dtype=np.int64)  # next row to capture; -1 before the first
-        self._scheduled_cursor = np.zeros(0, dtype=np.int64)  # end of what last ran, drafts included
-        self._pending = np.zeros(0, dtype=np.int64)  # step outputs in flight covering the request
-        self._finished = np.zeros(0, dtype=bool)  # terminal event seen; teardown once pending is 0
+        self._tracked: dict[str, TrackedRequest] = {}  # the same requests -> their state objects
+        self._small = True  # state in the TrackedRequest objects, not in the slot arrays below
+        self._emit_cursor = np.zeros(0, dtype=np.int64)
+        self._capture_cursor = np.zeros(0, dtype=np.int64)
+        self._scheduled_cursor = np.zeros(0, dtype=np.int64)
+        self._pending = np.zeros(0, dtype=np.int64)
+        self._finished = np.zeros(0, dtype=bool)
         self._awaiting_teardown: set[str] = set()  # finished, with step outputs still in flight
         # Pool updates of the steps begun (pins, block hashes, imports, teardowns), applied in
         # order before the pool is next used: off the model thread, as vLLM's writer thread.
         self._deferred: list[tuple] = []
         self._deferred_teardowns: set[str] = set()  # requests the pool still holds
 
-    def _track(self, request_ids: list[str], emit_starts: np.ndarray) -> None:
-        """Start tracking new requests: take their cache slots and reset those slots' state."""
+    def _track(self, request_ids: list[str], emit_starts: list[int]) -> None:
+        """Start tracking new requests: take their cache slots and set up their state."""
         slot_list = self._cache.slots_step(request_ids)
-        slots = np.array(slot_list, dtype=np.int64)
         if max(slot_list, default=-1) >= len(self._pending):
             grow = max(max(slot_list) + 1, 2 * len(self._pending), 16) - len(self._pending)
-            for name in ("_emit_cursor", "_capture_cursor", "_scheduled_cursor", "_pending", "_finished"):
-                array = getattr(self, name)
-                setattr(self, name, np.concatenate([array, np.zeros(grow, dtype=array.dtype)]))
+            for field in STATE_FIELDS:
+                array = getattr(self, "_" + field)
+                setattr(self, "_" + field, np.concatenate([array, np.zeros(grow, dtype=array.dtype)]))
         self._slot_of.update(zip(request_ids, slot_list))
-        self._emit_cursor[slots] = emit_starts
-        self._capture_cursor[slots] = -1
-        self._scheduled_cursor[slots] = 0
-        self._pending[slots] = 0
-        self._finished[slots] = False
+        self._tracked.update(zip(request_ids, map(TrackedRequest, slot_list, emit_starts)))
+        if not self._small:
+            slots = np.array(slot_list, dtype=np.int64)
+            self._emit_cursor[slots] = emit_starts
+            self._capture_cursor[slots] = -1
+            self._scheduled_cursor[slots] = 0
+            self._pending[slots] = 0
+            self._finished[slots] = False
+
+    def _untrack(self, request_ids: list) -> None:
+        for request_id in request_ids:
+            del self._slot_of[request_id]
+            del self._tracked[request_id]
+
+    def _use_small_steps(self, small: bool) -> None:
+        """Move every tracked request's state into its object (``small``) or into the slot
+        arrays, where it is not there already: O(requests tracked), at a switch only."""
+        if small == self._small:
+            return
+        tracked = list(self._tracked.values())
+        slots = np.fromiter(map(attrgetter("slot"), tracked), dtype=np.int64, count=len(tracked))
+        for field in STATE_FIELDS:
+            array = getattr(self, "_" + field)
+            if small:
+                list(map(setattr, tracked, repeat(field), array[slots].tolist()))
+            else:
+                array[slots] = np.fromiter(map(attrgetter(field), tracked), dtype=array.dtype, count=len(tracked))
+        self._small = small
 
     def _slots(self, request_ids) -> np.ndarray:
         """Slots of tracked requests; -1 for the others."""
@@ -230,9 +278,8 @@ class CacheWorkerConnector:
         with self._lock:
             request_ids = list(metadata.requests)
             emit_starts = np.fromiter(metadata.requests.values(), dtype=np.int64, count=len(request_ids))
-            new_generation, slots = self._check_metadata(metadata, request_ids, emit_starts)
-            new = (slots < 0).nonzero()[0]
-            new_ids = [request_ids[i] for i in new.tolist()] if len(new) else []
+            new_generation, new = self._check_metadata(metadata, request_ids, emit_starts)
+            new_ids = [request_ids[i] for i in new]
             check_request_ids(new_ids)  # the cache's slots_step does not check them
             hashes = StepHashes(metadata)
             self._step_metadata = metadata
@@ -248,10 +295,12 @@ class CacheWorkerConnector:
                 self._cache.check_pin_step(hashes.retained, hashes.released, self._deferred_retains())  # refused here
             if self._deferred and not self._pending_outputs:
                 self._apply_deferred()  # no process_output is coming to apply them
+            self._use_small_steps(batch_size.stays_small(len(self._slot_of) + len(new_ids), self._small))
             if new_ids:
                 if self._deferred_teardowns and not self._deferred_teardowns.isdisjoint(new_ids):
                     self._apply_deferred()  # the pool still holds an earlier request of that id
-                self._track(new_ids, emit_starts[new])
+                emit_list = emit_starts.tolist()
+                self._track(new_ids, [emit_list[i] for i in new])
             teardowns = []
             if metadata.finished_requests:
                 teardowns = self._finish(list(dict.fromkeys(filter(self._slot_of.__contains__, metadata.finished_requests))))
@@ -291,26 +340,24 @@ class CacheWorkerConnector:
         Returns the requests torn down now, whose pages the pool frees with the step's updates."""
         if not request_ids:
             return []
-        if len(request_ids) <= batch_size.SMALL_BATCH:  # one plain pass: a step finishes a few
-            finished, pending, slot_of, torn_down = self._finished, self._pending, self._slot_of, []
+        if self._small:
+            torn_down, awaiting, tracked = [], self._awaiting_teardown, self._tracked
             for request_id in request_ids:
-                slot = slot_of[request_id]
-                finished[slot] = True
-                if pending[slot]:
-                    self._awaiting_teardown.add(request_id)
+                state = tracked[request_id]
+                state.finished = True
+                if state.pending:
+                    awaiting.add(request_id)
                 else:
-                    self._awaiting_teardown.discard(request_id)
-                    del slot_of[request_id]
+                    awaiting.discard(request_id)
                     torn_down.append(request_id)
-            return torn_down
-        slots = self._slots(request_ids)
-        self._finished[slots] = True
-        idle = self._pending[slots] == 0
-        torn_down = [request_ids[i] for i in idle.nonzero()[0].tolist()]
-        for request_id in torn_down:
-            self._awaiting_teardown.discard(request_id)
-            del self._slot_of[request_id]
-        self._awaiting_teardown.update(request_ids[i] for i in (~idle).nonzero()[0].tolist())
+        else:
+            slots = self._slots(request_ids)
+            self._finished[slots] = True
+            idle = self._pending[slots] == 0
+            torn_down = [request_ids[i] for i in idle.nonzero()[0].tolist()]
+            self._awaiting_teardown.difference_update(torn_down)
+            self._awaiting_teardown.update(request_ids[i] for i in (~idle).nonzero()[0].tolist())
+        self._untrack(torn_down)
         return torn_down
 
     def _import_rows(self, imports: dict, hashes_of: dict) -> None:
@@ -329,9 +376,9 @@ class CacheWorkerConnector:
 
     def _check_metadata(
         self, metadata: AuxOutputConnectorMetadata, request_ids: list, emit_starts: np.ndarray
-    ) -> tuple[bool, np.ndarray]:
+    ) -> tuple[bool, list[int]]:
         """Raise if the metadata contradicts the connector's state; return whether it starts a
-        new generation, and the scheduled requests' slots as they will be (-1: not tracked)."""
+        new generation, and the indices of the scheduled requests not tracked yet."""
         if not metadata.requests.keys().isdisjoint(metadata.finished_requests):
             both = metadata.requests.keys() & set(metadata.finished_requests)
             raise ConnectorStateError(f"requests {sorted(both)} are scheduled and finished in one step")
@@ -346,20 +393,18 @@ class CacheWorkerConnector:
                 f"outputs in flight"
             )
         known = {} if new_generation else self._slot_of
-        all_slots = self._slots(request_ids) if known else np.full(len(request_ids), -1, dtype=np.int64)
-        if known:
+        if not known:
+            new = list(range(len(request_ids)))
+        else:
             if self._awaiting_teardown and any(map(metadata.requests.__contains__, self._awaiting_teardown)):
                 again = next(r for r in request_ids if r in self._awaiting_teardown)
                 raise ConnectorStateError(f"request {again!r} was scheduled again before its teardown completed")
-            # Settled requests only: in-flight steps leave the emit cursor behind the scheduler's
-            # optimistic view. (Untracked requests, slot -1, read an unrelated cursor: skipped.)
-            ahead = (emit_starts > self._emit_cursor[all_slots]).nonzero()[0].tolist()
-            ahead = [i for i in ahead if all_slots[i] >= 0 and self._pending[all_slots[i]] == 0]
-            if ahead:
-                i = ahead[0]
+            new, ahead = self._untracked_and_ahead(request_ids, emit_starts)
+            if ahead is not None:
+                i, delivered = ahead
                 raise ConnectorStateError(
                     f"request {request_ids[i]!r}: scheduler emit start {emit_starts[i]} is ahead of the rows "
-                    f"delivered so far ({self._emit_cursor[all_slots[i]]})"
+                    f"delivered so far ({delivered})"
                 )
         stray = [r for r in metadata.block_hashes if r not in known and r not in metadata.requests]
         if stray:
@@ -368,7 +413,27 @@ class CacheWorkerConnector:
                 f"block hashes for request {request_id!r}, which is not running (never scheduled, "
                 f"or finished); running: {len(known)} requests"
             )
-        return new_generation, all_slots
+        return new_generation, new
+
+    def _untracked_and_ahead(self, request_ids: list, emit_starts: np.ndarray) -> tuple[list[int], tuple | None]:
+        """The indices of untracked requests, and the first tracked one whose scheduler emit
+        start is ahead of the rows delivered (index, rows delivered), or None. Settled requests
+        only: in-flight steps leave the emit cursor behind the scheduler's optimistic view."""
+        if self._small:
+            new, ahead, tracked = [], None, self._tracked
+            for i, (request_id, emit_start) in enumerate(zip(request_ids, emit_starts.tolist())):
+                state = tracked.get(request_id)
+                if state is None:
+                    new.append(i)
+                elif emit_start > state.emit_cursor and not state.pending and ahead is None:
+                    ahead = i, state.emit_cursor
+            return new, ahead
+        slots = self._slots(request_ids)
+        new = (slots < 0).nonzero()[0].tolist()
+        # (Untracked requests, slot -1, read an unrelated cursor: skipped.)
+        beyond = (emit_starts > self._emit_cursor[slots]).nonzero()[0].tolist()
+        beyond = [i for i in beyond if slots[i] >= 0 and self._pending[slots[i]] == 0]
+        return new, ((beyond[0], int(self._emit_cursor[slots[beyond[0]]])) if beyond else None)
 
     def prepare_output(self, input_batch: InputBatch) -> PendingCacheOutput | None:
         """Keep this step's routing snapshot (device) for ``process_output``."""
@@ -397,7 +462,12 @@ class CacheWorkerConnector:
             if self._side_stream is not None:
                 pending.snapshot_ready = self._side_stream.mark_ready()
             self._pending_outputs.append(pending)
-            self._pending[slots] += 1
+            if self._small:
+                pending.tracked = tracked = list(map(self._tracked.__getitem__, request_ids))
+                for state in tracked:
+                    state.pending += 1
+            else:
+                self._pending[slots] += 1
         return pending
 
     # --------------------------------------------------------- output thread
@@ -418,12 +488,32 @@ class CacheWorkerConnector:
                     self._log_stats()
                 if pending in self._pending_outputs:  # not after close() or a reset
                     self._pending_outputs.remove(pending)
-                    slots = pending.slots
-                    self._pending[slots] -= 1
-                    if self._awaiting_teardown:
-                        done = (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist()
-                        if done:
-                            self._teardown([pending.request_ids[i] for i in done])
+                    self._settle_output(pending)
+
+    def _settle_output(self, pending: PendingCacheOutput) -> None:
+        """The step's output is processed: its requests have one step output fewer in flight,
+        and those finished with none left are torn down."""
+        if self._small:
+            done = []
+            for request_id, state in zip(pending.request_ids, self._tracked_of(pending)):
+                state.pending -= 1
+                if state.finished and not state.pending:
+                    done.append(request_id)
+        else:
+            slots = pending.slots
+            self._pending[slots] -= 1
+            done = []
+            if self._awaiting_teardown:
+                done = [pending.request_ids[i] for i in (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist()]
+        if done:
+            self._teardown(done)
+
+    def _tracked_of(self, pending: PendingCacheOutput) -> list[TrackedRequest]:
+        """The state objects of a step's requests (kept from ``prepare_output`` if steps were
+        small then). They stay tracked while the step's output is in flight."""
+        if pending.tracked is None:
+            pending.tracked = list(map(self._tracked.__getitem__, pending.request_ids))
+        return pending.tracked
 
     def _log_stats(self) -> None:
         """One line in vLLM's log style: pool use by page state, and counters since the last line."""
@@ -457,15 +547,25 @@ class CacheWorkerConnector:
             self._apply_deferred()
         if pending.num_sampled is None or pending.num_rejected is None:
             raise ConnectorStateError("process_output before enqueue_cpu_copy: acceptance counts missing")
-        request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
-        n = len(request_ids)
+        n = len(pending.request_ids)
         sampled, rejected = (np.asarray(counts, dtype=np.int64)[:n] for counts in (pending.num_sampled, pending.num_rejected))
         if len(sampled) != n or len(rejected) != n:
             raise ConnectorStateError(f"acceptance counts for {len(sampled)} / {len(rejected)} of {n} requests")
-        if n <= batch_size.SMALL_BATCH:
-            outputs = self._commit_small(pending, sampled, rejected)
-            if outputs is not None:
-                return outputs
+        if not self._small:
+            return self._commit_arrays(pending, sampled, rejected)
+        outputs = self._commit_small(pending, sampled, rejected)
+        if outputs is not None:
+            return outputs
+        self._use_small_steps(False)  # a rare step (a roll-back, invalid counts): the array path
+        try:
+            return self._commit_arrays(pending, sampled, rejected)
+        finally:
+            self._use_small_steps(True)
+
+    def _commit_arrays(self, pending: PendingCacheOutput, sampled: np.ndarray, rejected: np.ndarray):
+        """``_commit``'s array passes over the batch (the state in the slot arrays)."""
+        request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
+        n = len(request_ids)
         row_starts = pending.query_start_loc[:-1]
         num_rows = pending.query_start_loc[1:] - row_starts
         counts = num_rows - rejected
@@ -507,49 +607,44 @@ class CacheWorkerConnector:
         return self._emitted_rows(pending, request_ids, slots, emit_starts, capture_starts, row_starts, counts)
 
     def _commit_small(self, pending: PendingCacheOutput, sampled: np.ndarray, rejected: np.ndarray):
-        """``_commit`` in one plain Python pass over the requests, for up to ``SMALL_BATCH`` of
-        them (cheaper there than its two dozen array passes): the same captures, cursors and
+        """``_commit`` in one plain Python pass over the requests' state objects (small steps,
+        where that costs less than its two dozen array passes): the same captures, cursors and
         outputs. Returns None, changing nothing, where a request rolls back or its counts are
         invalid: the array path takes the step (and raises, for invalid counts)."""
-        request_ids, slots = pending.request_ids, pending.slots
+        request_ids, tracked = pending.request_ids, self._tracked_of(pending)
         bounds, starts = pending.query_start_loc.tolist(), pending.token_starts.tolist()
-        captured_list, emit_list = self._capture_cursor[slots].tolist(), self._emit_cursor[slots].tolist()
-        scheduled_list = self._scheduled_cursor[slots].tolist()
-        capture_starts, counts, token_ends, scheduled_ends, emit_cursors, outputs, earlier = [], [], [], [], [], [], []
+        capture_starts, counts, token_ends, scheduled_ends, outputs, earlier = [], [], [], [], [], []
         reattached = returned = 0
-        for i, (start, captured, emit_start, accepted, dropped) in enumerate(
-            zip(starts, captured_list, emit_list, sampled.tolist(), rejected.tolist())
-        ):
+        for i, (state, start, accepted, dropped) in enumerate(zip(tracked, starts, sampled.tolist(), rejected.tolist())):
             row_start, num_rows = bounds[i], bounds[i + 1] - bounds[i]
-            count = num_rows - dropped
+            count, captured = num_rows - dropped, state.capture_cursor
             if num_rows <= 0 or dropped < 0 or count < 0 or start < captured:
                 return None
             if start > captured >= 0:  # re-attach at the capture cursor (async scheduling)
-                if captured >= scheduled_list[i]:
+                if captured >= state.scheduled_cursor:
                     return None
                 reattached += 1
                 start_at = captured
             else:
                 start_at = start
-            end = start_at + count
             capture_starts.append(start_at)
             counts.append(count)
-            token_ends.append(end)
+            token_ends.append(start_at + count)
             scheduled_ends.append(start + num_rows)
-            if accepted > 0 and emit_start <= end:
-                emit_cursors.append(end)
-                returned += end - emit_start
+            emit_start = state.emit_cursor
+            if accepted > 0 and emit_start <= start_at + count:
+                returned += start_at + count - emit_start
                 if emit_start < start_at:  # rows from before this step (a prefix hit's)
                     earlier.append(len(outputs))
                 outputs.append((i, emit_start, row_start + max(emit_start - start_at, 0), row_start + count))
-            else:
-                emit_cursors.append(emit_start)
-        self._reattachments += reattached
         self._cache.capture_step_small(
-            pending.snapshot, request_ids, slots, capture_starts, bounds[:-1], counts, token_ends, pending.emit_starts)
-        self._capture_cursor[slots] = token_ends
-        self._scheduled_cursor[slots] = scheduled_ends
-        self._emit_cursor[slots] = emit_cursors
+            pending.snapshot, request_ids, pending.slots, capture_starts, bounds[:-1], counts, token_ends, pending.emit_starts)
+        for state, end, scheduled_end in zip(tracked, token_ends, scheduled_ends):  # the capture held: move on
+            state.capture_cursor = end
+            state.scheduled_cursor = scheduled_end
+        for i, _, _, _ in outputs:
+            tracked[i].emit_cursor = token_ends[i]
+        self._reattachments += reattached
         self._returned_rows += returned
         host = self._copy_out(pending.snapshot)
         if not earlier:
@@ -561,7 +656,7 @@ class CacheWorkerConnector:
         rows = [host[first_row:end_row] for _, _, first_row, end_row in outputs]
         picked = [outputs[j][0] for j in earlier]
         read = self._pool_rows(
-            [request_ids[i] for i in picked], slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
+            [request_ids[i] for i in picked], pending.slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
             np.array([token_ends[i] for i in picked], dtype=np.int64),
         )
         for j, request_rows in zip(earlier, read):
@@ -616,8 +711,7 @@ class CacheWorkerConnector:
     def _teardown(self, request_ids: list) -> None:
         """Tear down finished requests whose last step outputs were processed."""
         self._awaiting_teardown.difference_update(request_ids)
-        for request_id in request_ids:
-            del self._slot_of[request_id]
+        self._untrack(request_ids)
         self._cache.finish_step(request_ids)
 
     def close(self) -> None:
