@@ -302,7 +302,7 @@ class RoutedExpertsCache:
         if len(first) or not self._capture_within_pages(source, slots, starts, source_starts, counts, order):
             self._capture_planned(source, request_ids, slots, starts, source_starts, counts, first, order)
 
-    def capture_step_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
+    def capture_step_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray | list, starts: list,
                            source_starts: list, counts: list, ends: list, order: Iterable | None = None) -> None:
         """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for a
         few dozen requests: the connector's small-batch commit builds them in one Python pass.
@@ -310,7 +310,7 @@ class RoutedExpertsCache:
         in span order), is planned in one pass over them, without ``_write``'s look-ahead
         layers; any other (first captures, new blocks on evicted or demoted pages, a span past
         ``max_position``) goes through ``_write``, the spans still lists."""
-        slot_list = slots.tolist()
+        slot_list = as_plain_list(slots)
         segments = self._continuing_segments_small(
             slot_list, starts, source_starts, counts, self._pages.free, self.max_position)
         if segments is not None:
@@ -323,7 +323,9 @@ class RoutedExpertsCache:
     def _capture_planned_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
                                source_starts: list, counts: list, ends: list, first: list, order) -> None:
         """``_capture_planned`` with the spans as lists: the continuing ones reach ``_write`` as
-        lists too (its small-batch splitting takes lists), no array is built of them."""
+        lists too (its small-batch splitting takes lists), no array is built of them but the
+        slots'."""
+        slots = np.asarray(slots, dtype=np.int64)
         if ends and max(ends) > self.max_position:
             i = ends.index(max(ends))
             self._check_span(request_ids[i], starts[i], source_starts[i], counts[i], source.shape[0])

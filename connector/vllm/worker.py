@@ -39,7 +39,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from .. import batch_size
-from ..batch_size import smallest, total
+from ..batch_size import as_plain_list, smallest, total
 from ..cache import RoutedExpertsCache
 from ..checks import check_request_ids
 from ...errors import RoutedExpertsCacheError
@@ -88,9 +88,9 @@ class PendingCacheOutput:
 
     connector: CacheWorkerConnector
     request_ids: list[str]
-    slots: np.ndarray  # the requests' cache slots (index the connector's state arrays)
-    token_starts: np.ndarray
-    query_start_loc: np.ndarray
+    slots: np.ndarray | list[int]  # the requests' cache slots (index the connector's state arrays)
+    token_starts: np.ndarray | list[int]  # lists where the step began small (its plain passes)
+    query_start_loc: np.ndarray | list[int]
     snapshot: torch.Tensor
     emit_starts: dict[str, int]  # the step metadata's emit start per request
     tracked: list[TrackedRequest] | None = None  # the requests' state objects (small steps)
@@ -441,19 +441,26 @@ class CacheWorkerConnector:
             return None
         request_ids = list(input_batch.req_ids)
         n = len(request_ids)
-        query_start_loc = np.array(input_batch.query_start_loc_np[: n + 1], dtype=np.int64)
-        token_starts = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
-        snapshot = self._capturer.snapshot_routing_data(int(query_start_loc[-1]))
+        snapshot = self._capturer.snapshot_routing_data(int(input_batch.query_start_loc_np[n]))
         with self._lock:
             if len(self._pending_outputs) >= self._max_concurrent_batches:
                 raise ConnectorStateError(
                     f"{len(self._pending_outputs)} step outputs are in flight, more than "
                     f"max_concurrent_batches={self._max_concurrent_batches}: outputs are not consumed"
                 )
-            slots = self._slots(request_ids)
-            if n and smallest(slots) < 0:
-                unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
-                raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
+            if self._small:  # the batch as lists, for the plain passes
+                tracked = list(map(self._tracked.get, request_ids))
+                if None in tracked:
+                    self._refuse_untracked(request_ids, np.array([-1 if state is None else 0 for state in tracked]))
+                slots = [state.slot for state in tracked]
+                query_start_loc = input_batch.query_start_loc_np[: n + 1].tolist()
+                token_starts = input_batch.num_computed_tokens_np[:n].tolist()
+            else:
+                slots = self._slots(request_ids)
+                if n and smallest(slots) < 0:
+                    self._refuse_untracked(request_ids, slots)
+                query_start_loc = np.array(input_batch.query_start_loc_np[: n + 1], dtype=np.int64)
+                token_starts = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
             if len(set(request_ids)) < n:
                 raise ConnectorStateError(f"step lists a request twice: {request_ids}")
             pending = PendingCacheOutput(
@@ -463,12 +470,17 @@ class CacheWorkerConnector:
                 pending.snapshot_ready = self._side_stream.mark_ready()
             self._pending_outputs.append(pending)
             if self._small:
-                pending.tracked = tracked = list(map(self._tracked.__getitem__, request_ids))
+                pending.tracked = tracked
                 for state in tracked:
                     state.pending += 1
             else:
                 self._pending[slots] += 1
         return pending
+
+    @staticmethod
+    def _refuse_untracked(request_ids: list, slots: np.ndarray) -> None:
+        unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
+        raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
 
     # --------------------------------------------------------- output thread
 
@@ -500,7 +512,7 @@ class CacheWorkerConnector:
                 if state.finished and not state.pending:
                     done.append(request_id)
         else:
-            slots = pending.slots
+            slots = np.asarray(pending.slots, dtype=np.int64)
             self._pending[slots] -= 1
             done = []
             if self._awaiting_teardown:
@@ -564,10 +576,12 @@ class CacheWorkerConnector:
 
     def _commit_arrays(self, pending: PendingCacheOutput, sampled: np.ndarray, rejected: np.ndarray):
         """``_commit``'s array passes over the batch (the state in the slot arrays)."""
-        request_ids, slots, token_starts = pending.request_ids, pending.slots, pending.token_starts
+        request_ids = pending.request_ids
+        slots, token_starts, query_start_loc = (
+            np.asarray(values, dtype=np.int64) for values in (pending.slots, pending.token_starts, pending.query_start_loc))
         n = len(request_ids)
-        row_starts = pending.query_start_loc[:-1]
-        num_rows = pending.query_start_loc[1:] - row_starts
+        row_starts = query_start_loc[:-1]
+        num_rows = query_start_loc[1:] - row_starts
         counts = num_rows - rejected
         if n and smallest((num_rows - 1) | rejected | counts) < 0:  # the sign bit of any of them
             i = ((num_rows <= 0) | (rejected < 0) | (counts < 0)).nonzero()[0][0]
@@ -612,7 +626,7 @@ class CacheWorkerConnector:
         outputs. Returns None, changing nothing, where a request rolls back or its counts are
         invalid: the array path takes the step (and raises, for invalid counts)."""
         request_ids, tracked = pending.request_ids, self._tracked_of(pending)
-        bounds, starts = pending.query_start_loc.tolist(), pending.token_starts.tolist()
+        bounds, starts = as_plain_list(pending.query_start_loc), as_plain_list(pending.token_starts)
         capture_starts, counts, token_ends, scheduled_ends, outputs, earlier = [], [], [], [], [], []
         reattached = returned = 0
         for i, (state, start, accepted, dropped) in enumerate(zip(tracked, starts, sampled.tolist(), rejected.tolist())):
@@ -656,7 +670,7 @@ class CacheWorkerConnector:
         rows = [host[first_row:end_row] for _, _, first_row, end_row in outputs]
         picked = [outputs[j][0] for j in earlier]
         read = self._pool_rows(
-            [request_ids[i] for i in picked], pending.slots[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
+            [request_ids[i] for i in picked], np.asarray(pending.slots, dtype=np.int64)[picked], np.array([outputs[j][1] for j in earlier], dtype=np.int64),
             np.array([token_ends[i] for i in picked], dtype=np.int64),
         )
         for j, request_rows in zip(earlier, read):
