@@ -219,6 +219,37 @@ def test_metadata_that_goes_backwards_is_refused():
 
 
 @pytest.mark.parametrize("small_batch", [batch_size.SMALL_BATCH, 0])  # the plain pass, the array pass
+def test_a_step_past_max_concurrent_batches_in_flight_is_refused(monkeypatch, small_batch):
+    """vLLM keeps at most ``max_concurrent_batches`` step outputs in flight; one more means its
+    outputs are not consumed: refused, and the steps in flight still return their rows."""
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", small_batch)
+    driver = Driver()
+    driver.step(metadata({"a": 0}), [("a", 0, 3)])
+    first = driver.launch(metadata({"a": 3}), [("a", 3, 1)])
+    second = driver.launch(metadata({"a": 4}), [("a", 4, 1)])
+    with pytest.raises(ConnectorStateError, match="2 step outputs are in flight, more than max_concurrent_batches=2"):
+        driver.launch(metadata({"a": 5}), [("a", 5, 1)])
+    check_output(first.process_output(), "a", 3, 4)
+    check_output(second.process_output(), "a", 4, 5)
+
+
+@pytest.mark.parametrize("small_batch", [batch_size.SMALL_BATCH, 0])  # the plain pass, the array pass
+def test_an_emit_start_ahead_of_the_rows_delivered_is_refused_only_with_nothing_in_flight(monkeypatch, small_batch):
+    """vLLM's emit start assumes that the drafts in flight were accepted: ahead of the rows
+    delivered is allowed while a step of the request is in flight, refused once none is; a
+    request not tracked yet starts where the scheduler says (a prefix hit), whatever other
+    requests' cursors are."""
+    monkeypatch.setattr(batch_size, "SMALL_BATCH", small_batch)
+    driver = Driver()
+    driver.step(metadata({"a": 0, "b": 0}), [("a", 0, 3), ("b", 0, 3)])
+    pending = driver.launch(metadata({"a": 3}), [("a", 3, 2)], rejected=[1])
+    driver.connector.begin_step(metadata({"a": 5, "b": 3, "n": 16}))
+    with pytest.raises(ConnectorStateError, match=r"request 'b': scheduler emit start 4 is ahead of the rows delivered so far \(3\)"):
+        driver.connector.begin_step(metadata({"a": 5, "b": 4, "n": 16}))
+    check_output(pending.process_output(), "a", 3, 4)
+
+
+@pytest.mark.parametrize("small_batch", [batch_size.SMALL_BATCH, 0])  # the plain pass, the array pass
 @pytest.mark.parametrize("rejected, scheduled", [(3, 2), (-1, 2), (0, 0)],
                          ids=["more rejected than scheduled", "negative", "no rows scheduled"])
 def test_invalid_acceptance_counts_are_refused_naming_the_request(monkeypatch, small_batch, rejected, scheduled):

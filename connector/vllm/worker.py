@@ -348,14 +348,12 @@ class CacheWorkerConnector:
                 if state.pending:
                     awaiting.add(request_id)
                 else:
-                    awaiting.discard(request_id)
                     torn_down.append(request_id)
         else:
             slots = self._slots(request_ids)
             self._finished[slots] = True
             idle = self._pending[slots] == 0
             torn_down = [request_ids[i] for i in idle.nonzero()[0].tolist()]
-            self._awaiting_teardown.difference_update(torn_down)
             self._awaiting_teardown.update(request_ids[i] for i in (~idle).nonzero()[0].tolist())
         self._untrack(torn_down)
         return torn_down
