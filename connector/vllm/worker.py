@@ -160,7 +160,9 @@ class CacheWorkerConnector:
         self._clear()
 
     def _clear(self) -> None:
-        self._slot_of: dict[str, int] = {}  # the requests this connector tracks -> cache slot
+        # The requests this connector tracks -> cache slot (the slot is also the object's: this
+        # dict spares a large step's slot lookup a Python pass over the objects).
+        self._slot_of: dict[str, int] = {}
         self._tracked: dict[str, TrackedRequest] = {}  # the same requests -> their state objects
         self._small = True  # state in the TrackedRequest objects, not in the slot arrays below
         self._emit_cursor = np.zeros(0, dtype=np.int64)
@@ -182,15 +184,11 @@ class CacheWorkerConnector:
             for field in STATE_FIELDS:
                 array = getattr(self, "_" + field)
                 setattr(self, "_" + field, np.concatenate([array, np.zeros(grow, dtype=array.dtype)]))
+        states = list(map(TrackedRequest, slot_list, emit_starts))
         self._slot_of.update(zip(request_ids, slot_list))
-        self._tracked.update(zip(request_ids, map(TrackedRequest, slot_list, emit_starts)))
+        self._tracked.update(zip(request_ids, states))
         if not self._small:
-            slots = np.array(slot_list, dtype=np.int64)
-            self._emit_cursor[slots] = emit_starts
-            self._capture_cursor[slots] = -1
-            self._scheduled_cursor[slots] = 0
-            self._pending[slots] = 0
-            self._finished[slots] = False
+            self._store_in_arrays(states)
 
     def _untrack(self, request_ids: list) -> None:
         for request_id in request_ids:
@@ -202,15 +200,21 @@ class CacheWorkerConnector:
         arrays, where it is not there already: O(requests tracked), at a switch only."""
         if small == self._small:
             return
-        tracked = list(self._tracked.values())
-        slots = np.fromiter(map(attrgetter("slot"), tracked), dtype=np.int64, count=len(tracked))
+        states = list(self._tracked.values())
+        if small:
+            slots = np.fromiter(map(attrgetter("slot"), states), dtype=np.int64, count=len(states))
+            for field in STATE_FIELDS:
+                list(map(setattr, states, repeat(field), getattr(self, "_" + field)[slots].tolist()))
+        else:
+            self._store_in_arrays(states)
+        self._small = small
+
+    def _store_in_arrays(self, states: list[TrackedRequest]) -> None:
+        """Write these requests' state from their objects into the slot arrays."""
+        slots = np.fromiter(map(attrgetter("slot"), states), dtype=np.int64, count=len(states))
         for field in STATE_FIELDS:
             array = getattr(self, "_" + field)
-            if small:
-                list(map(setattr, tracked, repeat(field), array[slots].tolist()))
-            else:
-                array[slots] = np.fromiter(map(attrgetter(field), tracked), dtype=array.dtype, count=len(tracked))
-        self._small = small
+            array[slots] = np.fromiter(map(attrgetter(field), states), dtype=array.dtype, count=len(states))
 
     def _slots(self, request_ids) -> np.ndarray:
         """Slots of tracked requests; -1 for the others."""
@@ -449,14 +453,14 @@ class CacheWorkerConnector:
             if self._small:  # the batch as lists, for the plain passes
                 tracked = list(map(self._tracked.get, request_ids))
                 if None in tracked:
-                    self._refuse_untracked(request_ids, np.array([-1 if state is None else 0 for state in tracked]))
+                    self._refuse_untracked([r for r, state in zip(request_ids, tracked) if state is None])
                 slots = [state.slot for state in tracked]
                 query_start_loc = input_batch.query_start_loc_np[: n + 1].tolist()
                 token_starts = input_batch.num_computed_tokens_np[:n].tolist()
             else:
                 slots = self._slots(request_ids)
                 if n and smallest(slots) < 0:
-                    self._refuse_untracked(request_ids, slots)
+                    self._refuse_untracked([request_ids[i] for i in (slots < 0).nonzero()[0].tolist()])
                 query_start_loc = np.array(input_batch.query_start_loc_np[: n + 1], dtype=np.int64)
                 token_starts = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
             if len(set(request_ids)) < n:
@@ -476,8 +480,7 @@ class CacheWorkerConnector:
         return pending
 
     @staticmethod
-    def _refuse_untracked(request_ids: list, slots: np.ndarray) -> None:
-        unknown = [request_ids[i] for i in (slots < 0).nonzero()[0].tolist()]
+    def _refuse_untracked(unknown: list) -> None:
         raise ConnectorStateError(f"step covers requests {unknown} that were never scheduled")
 
     # --------------------------------------------------------- output thread
@@ -503,8 +506,8 @@ class CacheWorkerConnector:
     def _settle_output(self, pending: PendingCacheOutput) -> None:
         """The step's output is processed: its requests have one step output fewer in flight,
         and those finished with none left are torn down."""
+        done = []
         if self._small:
-            done = []
             for request_id, state in zip(pending.request_ids, self._tracked_of(pending)):
                 state.pending -= 1
                 if state.finished and not state.pending:
@@ -512,9 +515,9 @@ class CacheWorkerConnector:
         else:
             slots = np.asarray(pending.slots, dtype=np.int64)
             self._pending[slots] -= 1
-            done = []
             if self._awaiting_teardown:
-                done = [pending.request_ids[i] for i in (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist()]
+                idle = (self._finished[slots] & (self._pending[slots] == 0)).nonzero()[0].tolist()
+                done = [pending.request_ids[i] for i in idle]
         if done:
             self._teardown(done)
 
