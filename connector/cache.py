@@ -310,15 +310,30 @@ class RoutedExpertsCache:
         in span order), is planned in one pass over them, without ``_write``'s look-ahead
         layers; any other (first captures, new blocks on evicted or demoted pages, a span past
         ``max_position``) goes through ``_write``, the spans still lists."""
-        slot_list = as_plain_list(slots)
-        segments = self._continuing_segments_small(
-            slot_list, starts, source_starts, counts, self._pages.free, self.max_position)
-        if segments is not None:
-            self._write_on_free_pages(source, slots, ends, sum(counts), segments, order)
-            return
-        requests = self._slots.requests
+        slot_list, requests = as_plain_list(slots), self._slots.requests
         first = [i for i, slot in enumerate(slot_list) if requests[slot].first_block is None]
+        first_pages = self._first_capture_pages(first, starts, ends) if first else None
+        if not first or first_pages is not None:
+            segments = self._segments_small(
+                slot_list, starts, source_starts, counts, self._pages.free, self.max_position, first_pages)
+            if segments is not None:
+                started = [(request_ids[i], requests[slot_list[i]], starts[i]) for i in first]
+                self._write_on_free_pages(
+                    source, slots, ends, sum(counts), segments, request_ids if order is None else order, started)
+                return
         self._capture_planned_small(source, request_ids, slots, starts, source_starts, counts, ends, first, order)
+
+    def _first_capture_pages(self, first: list, starts: list, ends: list) -> int | None:
+        """The new pages of the first captures ``first`` (indices) if each starts a page and
+        captures a row (the first captures ``_segments_small`` plans) and the free pages hold
+        them; else None: ``_write`` plans them (a seeded page, an empty first span, evictions)."""
+        size, pages = self.page_size, 0
+        for i in first:
+            start, end = starts[i], ends[i]
+            if start % size or start == end:
+                return None
+            pages += (end - start - 1) // size + 1
+        return pages if pages <= len(self._pages.free) else None
 
     def _capture_planned_small(self, source: torch.Tensor, request_ids: list, slots: np.ndarray, starts: list,
                                source_starts: list, counts: list, ends: list, first: list, order) -> None:
@@ -379,15 +394,21 @@ class RoutedExpertsCache:
         self._write_on_free_pages(source, slots, starts + counts, int(counts.sum()), segments, order)
         return True
 
-    def _write_on_free_pages(self, source: torch.Tensor, slots: np.ndarray, ends, num_rows: int, segments, order) -> None:
-        """Copy and commit continuing spans (``num_rows`` rows, the requests of ``slots`` now
-        captured up to ``ends``) whose ``segments`` were planned on the first free pages (the
-        pages the allocation below takes, in that order), then settle their blocks."""
+    def _write_on_free_pages(self, source: torch.Tensor, slots: np.ndarray, ends, num_rows: int, segments, order,
+                             started: list[tuple] = ()) -> None:
+        """Copy and commit spans (``num_rows`` rows, the requests of ``slots`` now captured up
+        to ``ends``) whose ``segments`` were planned on the first free pages (the pages the
+        allocation below takes, in that order), then settle their blocks. ``started``: the
+        first captures among them, ``(request_id, request, start)``, which start as ``_write``
+        starts them (their own blocks' hashes unpinned) and settle first."""
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = segments
         if len(lengths):
             self._copy_on_device(self._source_words(source), self._pool_words, lengths, source_rows, target_rows)
+        if started:
+            self._start_first_captures(started, self._first_capture_unpins(started))
         self._commit_batch(slots, ends, self._pages.allocate_many(len(table_slots)), table_slots, table_blocks)
-        self._settle(self._settling(completed), order)
+        settling = self._settling(completed)
+        self._settle([request for _, request, _ in started] + settling if started else settling, order)
         self._counters["captured_rows"] += num_rows
 
     def _source_words(self, source: torch.Tensor) -> torch.Tensor:
@@ -564,7 +585,7 @@ class RoutedExpertsCache:
         array passes), vectorised above that, with fewer passes where no span is longer than a
         page (decoding); all give the same result. Spans given as lists take the plain pass."""
         if type(batch[1]) is list or len(batch[0]) <= batch_size.SMALL_BATCH:
-            return self._continuing_segments_small(*map(as_plain_list, batch[:4]), new_pages)
+            return self._segments_small(*map(as_plain_list, batch[:4]), new_pages)
         if not np.count_nonzero(batch[3] > self.page_size):
             return self._segments_within_pages(batch, new_pages)
         return self._segments_by_page_runs(batch, new_pages)
@@ -625,20 +646,38 @@ class RoutedExpertsCache:
             if len(request.hashes) > request.first_block + request.num_settled
         ]
 
-    def _continuing_segments_small(self, slots: list, starts: list, source_starts: list, counts: list, new_pages,
-                                   max_position: int | None = None):
+    def _segments_small(self, slots: list, starts: list, source_starts: list, counts: list, new_pages,
+                        max_position: int | None = None, first_pages: int | None = None):
         """``_continuing_segments`` in plain Python over the spans (lists, no arrays).
         ``new_pages`` may be the free pages themselves: None if the spans need more of them.
-        None too where a request has not captured before (a first capture: ``_plan_captures``
-        plans it), and with ``max_position`` where a span ends past it."""
-        size, requests, taken = self.page_size, self._slots.requests, 0
+        None too with ``max_position`` where a span ends past it, and where a request has not
+        captured before (a first capture: ``_plan_captures`` plans it) unless ``first_pages``
+        is given: then first captures, each starting a page and capturing a row (the caller
+        checked), take the first ``first_pages`` new pages in span order, as ``_write`` plans
+        them, the continuing spans the pages after; their table cells come first too."""
+        size, requests, taken, first_taken = self.page_size, self._slots.requests, first_pages or 0, 0
         source_rows, target_rows, lengths, table_slots, table_blocks, completed = [], [], [], [], [], []
+        first_slots, first_blocks = [], []  # the first captures' table cells
         for slot, start, source_row, count in zip(slots, starts, source_starts, counts):
             request = requests[slot]
             pages, first_block = request.own_pages, request.first_block
             position, end = start, start + count
-            if first_block is None or max_position is not None and end > max_position:
+            if max_position is not None and end > max_position:
                 return None
+            if first_block is None:
+                if first_pages is None:
+                    return None
+                while position < end:  # a new page per run, from the page the span starts
+                    run_end = position + size if position + size < end else end
+                    first_slots.append(slot)
+                    first_blocks.append((position - start) // size)
+                    source_rows.append(source_row)
+                    target_rows.append(new_pages[first_taken] * size)
+                    lengths.append(run_end - position)
+                    first_taken += 1
+                    source_row += run_end - position
+                    position = run_end
+                continue
             if not count:
                 continue
             if end // size > start // size:
@@ -663,6 +702,8 @@ class RoutedExpertsCache:
                 lengths.append(run_end - position)
                 source_row += run_end - position
                 position = run_end
+        if first_slots:
+            table_slots, table_blocks = first_slots + table_slots, first_blocks + table_blocks
         return source_rows, target_rows, lengths, table_slots, table_blocks, completed
 
     def _page_runs(self, starts: np.ndarray, ends: np.ndarray):

@@ -4,7 +4,7 @@
 
 16 requests continue decoding, 3 accepted rows each per step (a decode step under 4-token
 drafts), on a pool of free pages; ``capture_step_small`` as the connector calls it, then its
-parts on one step's spans: the page runs (``_continuing_segments_small``) and the copy set-up
+parts on one step's spans: the page runs (``_segments_small``) and the copy set-up
 (``_copy_on_device``: per-row indices, counted as bookkeeping by ``bench_host``; only the
 torch copies themselves are not). Thread CPU per call, mean over 1000 calls.
 """
@@ -50,8 +50,8 @@ def main() -> None:
         step()
     print(f"capture_step_small, {REQUESTS} spans of {ROWS} rows: {per_call_us(step):6.1f} us a step")
     counts = [ROWS] * REQUESTS
-    segments = cache._continuing_segments_small(slots, positions, source_starts, counts, cache._pages.free, cache.max_position)
-    print(f"  page runs (_continuing_segments_small):     {per_call_us(lambda: cache._continuing_segments_small(slots, positions, source_starts, counts, cache._pages.free, cache.max_position)):6.1f} us")
+    segments = cache._segments_small(slots, positions, source_starts, counts, cache._pages.free, cache.max_position)
+    print(f"  page runs (_segments_small):     {per_call_us(lambda: cache._segments_small(slots, positions, source_starts, counts, cache._pages.free, cache.max_position)):6.1f} us")
     source_rows, target_rows, lengths = segments[:3]
     words = cache._source_words(source)
     print(f"  copy set-up (_copy_on_device, no copy):    {per_call_us(lambda: cache._copy_on_device(words, cache._pool_words, lengths, source_rows, target_rows)):6.1f} us"
