@@ -1806,3 +1806,78 @@ def test_a_negative_span_value_is_named_in_the_refusal():
         span[index] = -1
         with pytest.raises(RoutedExpertsCacheError, match=f"'a': {name} must be >= 0, got -1"):
             cache.capture_batch(rows, ["a"], *([value] for value in span))
+
+
+@pytest.mark.parametrize("free_pages", ["enough", "short"])
+def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatch, free_pages):
+    """Up to ``SMALL_BATCH`` requests, a step whose first captures each start a page (from 0,
+    or after a prefix hit of whole blocks) and fit the free pages is planned in the continuing
+    spans' pass (``_segments_small``), without ``_write``'s look-ahead; one that starts inside
+    a published block (seeded), captures nothing yet, or needs evictions goes through
+    ``_write``. The pool it leaves (rows, page states, published blocks in their eviction
+    order, pins, counters) equals the one ``_write`` leaves for every step, and every request
+    reads back its rows, with free pages to spare and with evictions."""
+    n, page_size, row_shape, num_steps = 6, 4, (3, 2), 9
+    leaving = 2  # the first two finish at step 4
+    rng = np.random.default_rng(13)
+    steps = [rng.integers(2 * page_size, 3 * page_size, n)]
+    steps += [rng.integers(0, page_size + 2, n + 3 * step) for step in range(1, num_steps)]
+    num_pages = 200 if free_pages == "enough" else 54
+    results, planned = [], []
+    for fast in (True, False):
+        cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape)
+        first_capture_pages, outcomes = cache._first_capture_pages, []
+        monkeypatch.setattr(cache, "_first_capture_pages", (
+            lambda *args: outcomes.append(first_capture_pages(*args)) or outcomes[-1]) if fast else (lambda *args: None))
+        gen, expected, live, cursors = torch.Generator().manual_seed(5), {}, [], {}
+
+        def arrive(request_id, hashes, start, prefix=()):
+            cache.add_block_hashes(request_id, hashes)
+            live.insert(len(live) // 2, request_id)  # listed among the continuing ones
+            cursors[request_id] = start
+            expected[request_id] = list(prefix)
+
+        for i in range(n):  # a hash for every block a request completes: its blocks publish
+            arrive(f"r{i}", [f"r{i}-{b}".encode() for b in range(64)], 0)
+        for step in range(num_steps):
+            finishing = [f"r{i}" for i in range(leaving)] if step == 4 else []
+            finishing += [f"a{step - 2}-{a}" for a in range(3)] if step >= 3 else []  # arrivals stay two steps
+            for request_id in finishing:
+                cache.finish(request_id)
+                live.remove(request_id)
+            if step:  # arrivals: one from 0, prefix hits of r2's first two blocks, whole or seeded
+                hit = 2 * page_size - step % 2  # a page boundary on even steps, inside block 1 on odd ones
+                for a, start in enumerate((0, 2 * page_size, hit)):
+                    request_id = f"a{step}-{a}"
+                    hashes = [f"{request_id}-{b}".encode() for b in range(64)]
+                    if start:
+                        hashes[:2] = [b"r2-0", b"r2-1"]
+                    arrive(request_id, hashes, start, [expected["r2"][0][:start]] if start else ())
+            counts = np.resize(steps[step], len(live)).astype(np.int64)
+            rows = torch.randint(0, 256, (int(counts.sum()), *row_shape), dtype=torch.uint8, generator=gen)
+            source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            starts = np.array([cursors[request_id] for request_id in live], dtype=np.int64)
+            cache.capture_step(rows, list(live), cache.slots(live), starts, source_starts, counts)
+            for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
+                expected[request_id].append(rows[first : first + count])
+                cursors[request_id] += count
+            if step == 0:
+                expected["r2"] = [torch.cat(expected["r2"])]
+            assert len(live) <= batch_size.SMALL_BATCH
+        cache.check_consistency()
+        pool = cache._pages
+        results.append((
+            cache.pages.cpu().clone(), cache.page_states(), dict(pool.published), list(pool.evictable), dict(pool.pins),
+            cache.stats(), [cache.read(request_id, 0, cursors[request_id]) for request_id in live],
+        ))
+        planned.append(outcomes)
+    (pages, *state, reads), (pages_ref, *state_ref, reads_ref) = results
+    assert torch.equal(pages, pages_ref) and state == state_ref
+    assert all(torch.equal(read.cpu(), torch.cat(expected[request_id])) for read, request_id in zip(reads, live))
+    assert any(request_id.startswith("a") for request_id in live)
+    stats = state[-1]
+    assert stats["published"] > 0 and stats["prefix_hit_rows"] > 0
+    taken = [pages is not None for pages in planned[0]]
+    assert len(taken) == num_steps and taken[0] and False in taken[1::2]  # seeded arrivals need _write
+    assert any(taken[2::2])  # steps of arrivals on page boundaries only (and rows to capture)
+    assert (stats["evictions"] > 0) == (free_pages == "short")
