@@ -1816,7 +1816,9 @@ def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatc
     a published block (seeded), captures nothing yet, or needs evictions goes through
     ``_write``. The pool it leaves (rows, page states, published blocks in their eviction
     order, pins, counters) equals the one ``_write`` leaves for every step, and every request
-    reads back its rows, with free pages to spare and with evictions."""
+    reads back its rows, with free pages to spare and with evictions (where the continuing
+    spans may then find too few free pages after the first captures': that step declines
+    too, changing nothing)."""
     n, page_size, row_shape, num_steps = 6, 4, (3, 2), 9
     leaving = 2  # the first two finish at step 4
     rng = np.random.default_rng(13)
@@ -1826,9 +1828,10 @@ def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatc
     results, planned = [], []
     for fast in (True, False):
         cache = make_cache(num_pages, page_size=page_size, row_shape=row_shape)
-        first_capture_pages, outcomes = cache._first_capture_pages, []
+        first_capture_pages, write, outcomes, writes = cache._first_capture_pages, cache._write, [], []
         monkeypatch.setattr(cache, "_first_capture_pages", (
             lambda *args: outcomes.append(first_capture_pages(*args)) or outcomes[-1]) if fast else (lambda *args: None))
+        monkeypatch.setattr(cache, "_write", lambda *args: writes.append(step) or write(*args))
         gen, expected, live, cursors = torch.Generator().manual_seed(5), {}, [], {}
 
         def arrive(request_id, hashes, start, prefix=()):
@@ -1870,14 +1873,21 @@ def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatc
             cache.pages.cpu().clone(), cache.page_states(), dict(pool.published), list(pool.evictable), dict(pool.pins),
             cache.stats(), [cache.read(request_id, 0, cursors[request_id]) for request_id in live],
         ))
-        planned.append(outcomes)
+        planned.append((outcomes, writes))
     (pages, *state, reads), (pages_ref, *state_ref, reads_ref) = results
     assert torch.equal(pages, pages_ref) and state == state_ref
     assert all(torch.equal(read.cpu(), torch.cat(expected[request_id])) for read, request_id in zip(reads, live))
     assert any(request_id.startswith("a") for request_id in live)
     stats = state[-1]
     assert stats["published"] > 0 and stats["prefix_hit_rows"] > 0
-    taken = [pages is not None for pages in planned[0]]
+    (outcomes, writes), (_, writes_ref) = planned
+    taken = [pages is not None for pages in outcomes]
     assert len(taken) == num_steps and taken[0] and False in taken[1::2]  # seeded arrivals need _write
     assert any(taken[2::2])  # steps of arrivals on page boundaries only (and rows to capture)
+    assert writes_ref == list(range(num_steps))  # the reference: every step through _write
+    declined = [step for step, pages in enumerate(outcomes) if pages is None]
+    if free_pages == "enough":
+        assert writes == declined  # every other step planned in one pass
+    else:  # also where the first captures fit the free pages and the continuing spans then do not
+        assert set(declined) < set(writes)
     assert (stats["evictions"] > 0) == (free_pages == "short")
