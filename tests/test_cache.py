@@ -1891,3 +1891,22 @@ def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatc
     else:  # also where the first captures fit the free pages and the continuing spans then do not
         assert set(declined) < set(writes)
     assert (stats["evictions"] > 0) == (free_pages == "short")
+
+
+@pytest.mark.parametrize("listed", [["new"], ["new", "more"]], ids=["one", "two"])
+def test_small_steps_first_captures_past_the_free_pages_evict_as_write_does(make_cache, gen, listed):
+    """A small step whose first captures need more pages than are free (one request, or two
+    that each fit alone) is not planned on the free pages: ``_write`` takes it and evicts the
+    oldest published block, and the rows read back."""
+    cache = make_cache(4)
+    cache.capture("old", 0, rand_rows(gen, 12))
+    cache.add_block_hashes("old", [h("o", b) for b in range(3)])
+    cache.finish("old")  # three published blocks, evictable; one page free
+    counts = [8] if len(listed) == 1 else [4, 4]
+    rows = rand_rows(gen, sum(counts))
+    cache.capture_step(rows, listed, np.array(cache.slots_step(listed), dtype=np.int64), np.zeros(len(listed), dtype=np.int64),
+                       np.array([0, 4][: len(listed)], dtype=np.int64), np.array(counts, dtype=np.int64))
+    assert cache.stats()["evictions"] == 1
+    for request_id, first, count in zip(listed, [0, 4], counts):
+        assert_rows(cache.read(request_id, 0, count), u8(rows[first : first + count]))
+    cache.check_consistency()
