@@ -306,10 +306,12 @@ class RoutedExpertsCache:
                            source_starts: list, counts: list, ends: list, order: Iterable | None = None) -> None:
         """``capture_step`` with the spans as lists (``ends[i] = starts[i] + counts[i]``), for a
         few dozen requests: the connector's small-batch commit builds them in one Python pass.
-        The common step, continuing spans whose new blocks all take free pages (the first ones,
-        in span order), is planned in one pass over them, without ``_write``'s look-ahead
-        layers; any other (first captures, new blocks on evicted or demoted pages, a span past
-        ``max_position``) goes through ``_write``, the spans still lists."""
+        The common steps, whose new blocks all take free pages (the first ones, in span order),
+        are planned in one pass over the spans, without ``_write``'s look-ahead layers: spans
+        that continue a request's rows, and first captures that start a page and capture a
+        row. Any other (a first capture inside a published block or of no rows, new blocks on
+        evicted or demoted pages, a span past ``max_position``) goes through ``_write``, the
+        spans still lists."""
         slot_list, requests = as_plain_list(slots), self._slots.requests
         first = [i for i, slot in enumerate(slot_list) if requests[slot].first_block is None]
         first_pages = self._first_capture_pages(first, starts, ends) if first else None
