@@ -1565,6 +1565,18 @@ def test_small_copies_by_row_equal_the_segment_copy(make_cache, monkeypatch, cas
     assert not torch.equal(results[0], before)  # the copy wrote
 
 
+def capture_live_step(cache, live: list, cursors: dict, expected: dict, counts: np.ndarray, gen) -> None:
+    """One ``capture_step`` of random rows, ``counts[i]`` for ``live[i]`` from its cursor; the rows
+    join ``expected`` and the cursors move on."""
+    rows = torch.randint(0, 256, (int(counts.sum()), *cache.row_shape), dtype=torch.uint8, generator=gen)
+    source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    starts = np.array([cursors[request_id] for request_id in live], dtype=np.int64)
+    cache.capture_step(rows, list(live), cache.slots(live), starts, source_starts, counts)
+    for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
+        expected[request_id].append(rows[first : first + count])
+        cursors[request_id] += count
+
+
 @pytest.mark.parametrize("free_pages", ["enough", "short"])
 def test_steps_with_arrivals_above_the_small_batch_equal_the_general_path(make_cache, monkeypatch, free_pages):
     """Above ``SMALL_BATCH`` continuing requests, a step that also has first captures (arrivals,
@@ -1613,14 +1625,7 @@ def test_steps_with_arrivals_above_the_small_batch_equal_the_general_path(make_c
                         arrive(request_id, [f"{request_id}-{b}".encode() for b in range(64)], 0)
                         expected[request_id] = []
                     live.insert(3 * a + 1, live.pop())
-            counts = np.resize(steps[step], len(live)).astype(np.int64)
-            rows = torch.randint(0, 256, (int(counts.sum()), *row_shape), dtype=torch.uint8, generator=gen)
-            source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            starts = np.array([cursors[request_id] for request_id in live], dtype=np.int64)
-            cache.capture_step(rows, list(live), cache.slots(live), starts, source_starts, counts)
-            for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
-                expected[request_id].append(rows[first : first + count])
-                cursors[request_id] += count
+            capture_live_step(cache, live, cursors, expected, np.resize(steps[step], len(live)).astype(np.int64), gen)
             if step == 0:
                 expected["r0"] = [torch.cat(expected["r0"])]
         cache.check_consistency()
@@ -1856,14 +1861,7 @@ def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatc
                     if start:
                         hashes[:2] = [b"r2-0", b"r2-1"]
                     arrive(request_id, hashes, start, [expected["r2"][0][:start]] if start else ())
-            counts = np.resize(steps[step], len(live)).astype(np.int64)
-            rows = torch.randint(0, 256, (int(counts.sum()), *row_shape), dtype=torch.uint8, generator=gen)
-            source_starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            starts = np.array([cursors[request_id] for request_id in live], dtype=np.int64)
-            cache.capture_step(rows, list(live), cache.slots(live), starts, source_starts, counts)
-            for request_id, first, count in zip(live, source_starts.tolist(), counts.tolist()):
-                expected[request_id].append(rows[first : first + count])
-                cursors[request_id] += count
+            capture_live_step(cache, live, cursors, expected, np.resize(steps[step], len(live)).astype(np.int64), gen)
             if step == 0:
                 expected["r2"] = [torch.cat(expected["r2"])]
             assert len(live) <= batch_size.SMALL_BATCH
