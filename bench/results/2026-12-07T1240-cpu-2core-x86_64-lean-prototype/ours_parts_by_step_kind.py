@@ -33,6 +33,8 @@ def main() -> None:
     for kind in ("decode", "startfinish"):
         index = [k for k in range(len(replays[0])) if kinds[k] == kind]
         print(f"  {kind}: {len(index)} steps")
+        if not index:  # a trace without steps of this kind (steady decoding starts none)
+            continue
         for part in [*PARTS, COPIES]:
             values = [(steps[k][part] - cost * steps[k][f"{part} calls"]) * 1e3 for steps in replays for k in index]
             print(f"    {part:58s} {statistics.median(values):.3f}")
