@@ -1,6 +1,7 @@
 """Host work per engine step: this project's worker connector vs the installed vLLM's built-in one.
 
     .venv-vllm033/bin/python bench/bench_host.py [--concurrency 16 64 256 1024] [--steps 120]
+        [--output-tokens 24 96] [--prompt-tokens 16 112]
     .venv-vllm034/bin/python bench/bench_host.py ...   (the same against vLLM 0.34)
 
 The built-in connector is labelled with the installed version (``vllm-0.34.0-builtin``). One
@@ -115,29 +116,36 @@ class _RecordedPending:
         return out
 
 
-def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0, output_tokens=(24, 96)):
+PROMPT_PREFIX_TOKENS, PROMPT_TOKENS = 96, (16, 112)
+
+
+def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0, output_tokens=(24, 96),
+                 prompt_tokens=PROMPT_TOKENS):
     """Run the real scheduler for ``steps`` steps at ``concurrency`` live requests, each
     generating a random number of tokens in ``output_tokens`` (short outputs: many requests
-    start and finish every step)."""
-    kv_blocks_per_request = 24 + output_tokens[1] // BLOCK
+    start and finish every step). A prompt is one of four shared 96-token prefixes and a
+    random number of its own tokens in ``prompt_tokens``."""
+    prompt_blocks = -(-(PROMPT_PREFIX_TOKENS + prompt_tokens[1]) // BLOCK)
+    kv_blocks_per_request = max(24, prompt_blocks + 4) + output_tokens[1] // BLOCK
     rng = np.random.default_rng(seed)
     setup = make_scheduler(
         lookahead=lookahead, num_spec_tokens=NUM_SPEC, async_scheduling=True, num_blocks=concurrency * kv_blocks_per_request + 256,
-        max_num_seqs=concurrency, max_num_batched_tokens=max(2048, 8 * concurrency), max_model_len=1024,
+        max_num_seqs=concurrency, max_num_batched_tokens=max(2048, 8 * concurrency),
+        max_model_len=max(1024, PROMPT_PREFIX_TOKENS + prompt_tokens[1] + output_tokens[1] + 2 * NUM_SPEC),
         block_size=BLOCK,
     )
     recorder = Recorder(build_our_connector(setup, SnapshotCapturer()))
     recorder._capturer = recorder.connector._capturer
     engine = SimEngine(setup, recorder, seed=seed)
     engine.capturer = recorder._capturer
-    prefixes = [random_prompt(rng, 96) for _ in range(4)]
+    prefixes = [random_prompt(rng, PROMPT_PREFIX_TOKENS) for _ in range(4)]
     added = 0
 
     def top_up() -> None:
         nonlocal added
         live = len(engine.requests) - len(engine.finished)
         for _ in range(concurrency - live):
-            prompt = prefixes[added % 4] + random_prompt(rng, int(rng.integers(16, 112)))
+            prompt = prefixes[added % 4] + random_prompt(rng, int(rng.integers(*prompt_tokens)))
             engine.add(make_request(setup, f"r{added}", prompt, int(rng.integers(*output_tokens))))
             added += 1
 
@@ -322,9 +330,23 @@ def replay_alternating(setup, events, builds: dict, rounds: int, measured=None) 
     return samples, outputs
 
 
-def trace_suffix(output_tokens) -> str:
-    """The file-name suffix of a trace: none for the default outputs (24-96 tokens)."""
-    return "" if list(output_tokens) == [24, 96] else "_out{}-{}".format(*output_tokens)
+def trace_suffix(output_tokens, prompt_tokens=PROMPT_TOKENS) -> str:
+    """The file-name suffix of a trace: none for the default outputs (24-96 tokens) and prompts."""
+    suffix = "" if list(output_tokens) == [24, 96] else "_out{}-{}".format(*output_tokens)
+    return suffix + ("" if tuple(prompt_tokens) == PROMPT_TOKENS else "_prompt{}-{}".format(*prompt_tokens))
+
+
+def trace_of(args: argparse.Namespace) -> dict:
+    """``record_trace``'s and ``trace_suffix``'s trace options from parsed arguments."""
+    return {"output_tokens": tuple(args.output_tokens), "prompt_tokens": tuple(args.prompt_tokens)}
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
+                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=list(PROMPT_TOKENS), metavar=("MIN", "MAX"),
+                        help="prompt tokens after the shared 96-token prefix (default 16 112; long prompts: "
+                             "prefill chunks of many blocks)")
 
 
 def bookkeeping(per_step: list[dict]) -> list[float]:
@@ -339,11 +361,10 @@ def total_cpu(per_step: list[dict]) -> list[float]:
 
 def parse_replay_arguments(parser: argparse.ArgumentParser, rounds: int) -> argparse.Namespace:
     """Add the trace and interleaving options of the benchmarks that replay through
-    ``replay_alternating`` (``--steps``, ``--output-tokens``, ``--rounds``), parse, and refuse
+    ``replay_alternating`` (``--steps``, ``--output-tokens``, ``--prompt-tokens``, ``--rounds``), parse, and refuse
     fewer than two rounds (the first warms up)."""
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
-                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
+    add_trace_arguments(parser)
     parser.add_argument("--rounds", type=int, default=rounds, help="interleaved replays per connector (the first warms up)")
     args = parser.parse_args()
     if args.rounds < 2:
@@ -396,8 +417,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_rss(impl: str, concurrency: int, steps: int, output_tokens) -> dict:
-    setup, events, _ = record_trace(concurrency, steps, output_tokens=output_tokens)
+def measure_rss(impl: str, concurrency: int, steps: int, trace: dict) -> dict:
+    setup, events, _ = record_trace(concurrency, steps, **trace)
     gc.collect()
     before = rss_bytes()
     result = replay(setup, events, builders()[impl])
@@ -439,12 +460,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved replays per connector")
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
-                        help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
+    add_trace_arguments(parser)
     parser.add_argument("--rss", nargs=2, metavar=("IMPL", "CONCURRENCY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss:
-        print(json.dumps(measure_rss(args.rss[0], int(args.rss[1]), args.steps, args.output_tokens)))
+        print(json.dumps(measure_rss(args.rss[0], int(args.rss[1]), args.steps, trace_of(args))))
         return
 
     # With EAGLE/MTP lookahead hashing on (the default since 0.33), vLLM 0.33's own connector
@@ -464,7 +484,7 @@ def main() -> None:
     rows = []
     for concurrency in args.concurrency:
         started = time.perf_counter()
-        setup, events, trace = record_trace(concurrency, args.steps, output_tokens=args.output_tokens)
+        setup, events, trace = record_trace(concurrency, args.steps, **trace_of(args))
         print(f"[{concurrency:5d} requests] trace: {args.steps} steps, {trace['requests']} requests, "
               f"{trace['finished']} finished ({time.perf_counter() - started:.1f} s)", flush=True)
         timed_builders = {**builders(), FLOOR: OutputContractFloor}
@@ -480,11 +500,12 @@ def main() -> None:
         for impl in timed_builders:  # the floor is no connector: its memory is not measured
             rss = float("nan") if impl == FLOOR else json.loads(subprocess.run(
                 [sys.executable, __file__, "--steps", str(args.steps), "--rss", impl, str(concurrency),
-                 "--output-tokens", *map(str, args.output_tokens)],
+                 "--output-tokens", *map(str, args.output_tokens), "--prompt-tokens", *map(str, args.prompt_tokens)],
                 capture_output=True, text=True, check=True,
             ).stdout.strip().splitlines()[-1])["rss_growth_MiB"]
             rows.append({
                 **summarize(impl, concurrency, timings[impl]), "output_tokens": "{}-{}".format(*args.output_tokens),
+                "prompt_tokens": "{}-{}".format(*args.prompt_tokens),
                 "requests_in_trace": trace["requests"], "rss_growth_MiB": rss,
             })
         ours, theirs, floor = rows[-3:]
@@ -504,7 +525,7 @@ def main() -> None:
               f"vLLM {theirs['begin_step_cpu_ms']:.3f} ms", flush=True)
     print()
     print_table(rows, list(rows[0]))
-    name = f"host_overhead_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv"  # one file per vLLM release and trace
+    name = f"host_overhead_vllm{VLLM_VERSION}{trace_suffix(**trace_of(args))}.csv"  # one file per vLLM release and trace
     csv_path = save_csv(rows, name, torch.device("cpu"))
     plot(rows, csv_path.with_suffix(".png"))
     print(f"wrote {csv_path.with_suffix('.png')}")

@@ -1,7 +1,7 @@
 """Host work per engine step: this checkout's connector against an earlier revision's, A/B.
 
     .venv-vllm033/bin/python bench/bench_host_ab.py --against HEAD~1 [--concurrency 16 64 256 1024]
-        [--output-tokens 24 96] [--rounds 4] [--page-pool]
+        [--output-tokens 24 96] [--prompt-tokens 16 112] [--rounds 4] [--page-pool]
 
 Both connectors replay the same recorded trace (``bench_host.record_trace``) in one process,
 interleaved round by round in alternating order, so that the machine's load falls on both
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_host import (  # noqa: E402
-    HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_suffix,
+    HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_of, trace_suffix,
 )
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
@@ -108,7 +108,7 @@ def compare_page_pools(args, against_pool: type) -> list[dict]:
 
     rows = []
     for concurrency in args.concurrency:
-        setup, events, _ = record_trace(concurrency, args.steps, output_tokens=tuple(args.output_tokens))
+        setup, events, _ = record_trace(concurrency, args.steps, **trace_of(args))
         per_replay.update({name: [] for name in pools})
         try:
             builds = {name: build_with(pool) for name, pool in pools.items()}
@@ -120,6 +120,7 @@ def compare_page_pools(args, against_pool: type) -> list[dict]:
         new, old = (statistics.median(per_replay[name]) for name in pools)
         rows.append({
             "vllm": VLLM_VERSION, "concurrency": concurrency, "output_tokens": "-".join(map(str, args.output_tokens)),
+                "prompt_tokens": "-".join(map(str, args.prompt_tokens)),
             "against": args.against, "page_pool_ms": new, "against_page_pool_ms": old, "page_pool_ratio": new / old,
             "replays": len(per_replay["this checkout"]), "page_pool_module": modules["this checkout"],
             "against_page_pool_module": modules[args.against],
@@ -140,7 +141,7 @@ def main() -> None:
         if args.page_pool:
             rows = compare_page_pools(args, import_revision(args.against, Path(scratch), "connector.page_pool").PagePool)
             print_table(rows, list(rows[0]))
-            save_csv(rows, f"page_pool_ab_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv", torch.device("cpu"))
+            save_csv(rows, f"page_pool_ab_vllm{VLLM_VERSION}{trace_suffix(**trace_of(args))}.csv", torch.device("cpu"))
             return
         against = import_revision(args.against, Path(scratch))
 
@@ -152,7 +153,7 @@ def main() -> None:
         builds = {"this checkout": lambda setup, capturer: build_our_connector(setup, capturer), args.against: build_against}
         rows = []
         for concurrency in args.concurrency:
-            setup, events, _ = record_trace(concurrency, args.steps, output_tokens=tuple(args.output_tokens))
+            setup, events, _ = record_trace(concurrency, args.steps, **trace_of(args))
             samples, outputs = replay_alternating(setup, events, builds, args.rounds)
             if not same_outputs(*outputs.values()):
                 raise SystemExit(f"{concurrency} requests: the two revisions returned different rows")
@@ -166,6 +167,7 @@ def main() -> None:
             new, old = figures["this checkout"], figures[args.against]
             rows.append({
                 "vllm": VLLM_VERSION, "concurrency": concurrency, "output_tokens": "-".join(map(str, args.output_tokens)),
+                "prompt_tokens": "-".join(map(str, args.prompt_tokens)),
                 "against": args.against, "bookkeeping_ms": new["bookkeeping"], "against_bookkeeping_ms": old["bookkeeping"],
                 "bookkeeping_ratio": new["bookkeeping"] / old["bookkeeping"],
                 "bookkeeping_mean_ms": new["bookkeeping_mean"], "against_bookkeeping_mean_ms": old["bookkeeping_mean"],
@@ -178,7 +180,7 @@ def main() -> None:
                   f"{old['bookkeeping_mean']:.3f} -> {rows[-1]['bookkeeping_mean_ratio']:.3f}); begin_step {new['begin_step']:.3f} vs {old['begin_step']:.3f} ms; "
                   f"identical rows", flush=True)
     print_table(rows, list(rows[0]))
-    save_csv(rows, f"host_ab_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv", torch.device("cpu"))
+    save_csv(rows, f"host_ab_vllm{VLLM_VERSION}{trace_suffix(**trace_of(args))}.csv", torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_host import (  # noqa: E402
-    TIMED, bookkeeping, builders, parse_replay_arguments, record_trace, replay_alternating, trace_suffix,
+    TIMED, bookkeeping, builders, parse_replay_arguments, record_trace, replay_alternating, trace_of, trace_suffix,
 )
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION  # noqa: E402
@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=16)
     args = parse_replay_arguments(parser, rounds=4)
-    setup, events, _ = record_trace(args.concurrency, args.steps, output_tokens=tuple(args.output_tokens))
+    setup, events, _ = record_trace(args.concurrency, args.steps, **trace_of(args))
     kinds = step_kinds(events)
     builds = builders()
     samples, _ = replay_alternating(setup, events, builds, args.rounds)
@@ -80,14 +80,15 @@ def main() -> None:
     for name, per_step in samples.items():
         for kind, row in by_kind(kinds, per_step).items():
             rows.append({"vllm": VLLM_VERSION, "impl": name, "concurrency": args.concurrency,
-                         "output_tokens": "-".join(map(str, args.output_tokens)), "kind": kind, **row})
+                         "output_tokens": "-".join(map(str, args.output_tokens)),
+                         "prompt_tokens": "-".join(map(str, args.prompt_tokens)), "kind": kind, **row})
     ours, builtin = (by_kind(kinds, samples[name]) for name in builds)
     for kind in ours:
         print(f"[{kind:>19}] {ours[kind]['steps']:>4} steps: bookkeeping {ours[kind]['bookkeeping_ms']:.3f} ms, "
               f"built-in {builtin[kind]['bookkeeping_ms']:.3f} ms -> "
               f"{ours[kind]['bookkeeping_ms'] / builtin[kind]['bookkeeping_ms']:.2f}", flush=True)
     print_table(rows, list(rows[0]))
-    save_csv(rows, f"host_steps_{args.concurrency}_requests_vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}.csv",
+    save_csv(rows, f"host_steps_{args.concurrency}_requests_vllm{VLLM_VERSION}{trace_suffix(**trace_of(args))}.csv",
              torch.device("cpu"))
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_host import (  # noqa: E402
     BUILTIN, OutputContractFloor, bookkeeping, builders, parse_replay_arguments, record_trace, replay, total_cpu,
-    trace_suffix,
+    trace_of, trace_suffix,
 )
 from bench.common import results_dir, save_csv  # noqa: E402
 from bench.profile_host import SelfTime  # noqa: E402
@@ -143,10 +143,10 @@ def middle_half(values: list[float]) -> list[int]:
     return order[len(order) // 4 : len(order) - len(order) // 4]
 
 
-def budget(concurrency: int, steps: int, output_tokens, rounds: int) -> dict:
+def budget(concurrency: int, steps: int, trace: dict, rounds: int) -> dict:
     """One size: the built-in's CPU and ours (medians, as ``bench_host.py``), and the parts of
     ours over its typical steps (ms per step)."""
-    setup, events, _ = record_trace(concurrency, steps, output_tokens=output_tokens)
+    setup, events, _ = record_trace(concurrency, steps, **trace)
     builds = {"builtin": builders()[BUILTIN], "ours": builders()[OURS], "floor": OutputContractFloor}
     samples = {"builtin": [], "ours": [], "floor": [], "wrapped": []}
     parts, part_steps = PartTimers(), []
@@ -168,7 +168,8 @@ def budget(concurrency: int, steps: int, output_tokens, rounds: int) -> dict:
     wrapped = bookkeeping(samples["wrapped"])
     typical = middle_half(wrapped)
     row = {
-        "concurrency": concurrency, "output_tokens": "{}-{}".format(*output_tokens), "steps": len(wrapped),
+        "concurrency": concurrency, "output_tokens": "{}-{}".format(*trace["output_tokens"]),
+        "prompt_tokens": "{}-{}".format(*trace["prompt_tokens"]), "steps": len(wrapped),
         "builtin_ms": builtin * 1e3, "ours_bookkeeping_ms": ours * 1e3, "ratio": ours / builtin,
         "target_ratio": target_ratio(concurrency), "target_ms": target_ratio(concurrency) * builtin * 1e3,
         "over_target_ms": (ours - target_ratio(concurrency) * builtin) * 1e3,
@@ -187,7 +188,7 @@ def budget(concurrency: int, steps: int, output_tokens, rounds: int) -> dict:
 def report(row: dict) -> str:
     over = row["over_target_ms"]
     lines = [
-        f"[{row['concurrency']} requests, outputs {row['output_tokens']} tokens, vLLM {VLLM_VERSION}; {row['steps']} steps]",
+        f"[{row['concurrency']} requests, outputs {row['output_tokens']} tokens, prompts 96 + {row['prompt_tokens']}, vLLM {VLLM_VERSION}; {row['steps']} steps]",
         f"medians: built-in {row['builtin_ms']:.3f} ms/step, ours {row['ours_bookkeeping_ms']:.3f} (ratio "
         f"{row['ratio']:.2f}); target {row['target_ratio']} -> {row['target_ms']:.3f} ms: "
         + (f"{over:.3f} ms over" if over > 0 else f"met by {-over:.3f} ms") + f"; the output contract alone "
@@ -212,10 +213,10 @@ def main() -> None:
     args = parse_replay_arguments(parser, rounds=3)
     rows, texts = [], []
     for concurrency in args.concurrency:
-        rows.append(budget(concurrency, args.steps, tuple(args.output_tokens), args.rounds))
+        rows.append(budget(concurrency, args.steps, trace_of(args), args.rounds))
         texts.append(report(rows[-1]))
         print(texts[-1] + "\n", flush=True)
-    suffix = f"vllm{VLLM_VERSION}{trace_suffix(args.output_tokens)}"
+    suffix = f"vllm{VLLM_VERSION}{trace_suffix(**trace_of(args))}"
     text_path = results_dir(torch.device("cpu")) / f"host_budget_{suffix}.txt"
     text_path.write_text("\n\n".join(texts) + "\n")
     print(f"wrote {text_path}")

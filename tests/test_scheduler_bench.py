@@ -52,18 +52,20 @@ def test_host_benchmark_small_run(tmp_path):
 
 def test_host_ab_benchmark_compares_with_a_revision(tmp_path):
     """bench_host_ab.py against HEAD: the revision's package is imported from git beside this
-    checkout's, both replay one trace and return identical rows; a CSV names the revision."""
+    checkout's, both replay one trace and return identical rows; a CSV names the revision and
+    the trace (here with long prompts: prefill chunks of many blocks)."""
     env = dict(os.environ, OUT=str(tmp_path))
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_host_ab.py"), "--against", "HEAD", "--concurrency", "16",
-         "--steps", "12", "--rounds", "2"],
+         "--steps", "12", "--rounds", "2", "--prompt-tokens", "300", "600"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "identical rows" in done.stdout
-    with open(tmp_path / f"host_ab_vllm{VLLM_VERSION}.csv") as f:
+    with open(tmp_path / f"host_ab_vllm{VLLM_VERSION}_prompt300-600.csv") as f:
         (row,) = csv.DictReader(f)
     assert row["against"] == "HEAD" and int(row["concurrency"]) == 16 and int(row["step_samples"]) > 0
+    assert row["prompt_tokens"] == "300-600" and row["output_tokens"] == "24-96"
     assert float(row["bookkeeping_ratio"]) > 0 and float(row["begin_step_ratio"]) > 0
 
 
@@ -198,7 +200,7 @@ def test_host_budget_splits_our_bookkeeping_into_parts_against_the_target(tmp_pa
     assert all(part in text for part in [*PARTS, COPIES]) and "target 0.5" in text
     with open(tmp_path / f"host_budget_vllm{VLLM_VERSION}.csv") as f:
         (row,) = csv.DictReader(f)
-    figures = {key: float(value) for key, value in row.items() if key not in ("output_tokens",)}
+    figures = {key: float(value) for key, value in row.items() if key not in ("output_tokens", "prompt_tokens")}
     assert figures["target_ms"] == figures["target_ratio"] * figures["builtin_ms"] and figures["target_ratio"] == 0.5
     assert abs(figures["over_target_ms"] - (figures["ours_bookkeeping_ms"] - figures["target_ms"])) < 1e-9
     assert figures["connector: checks, cursors, commit loop, outputs calls"] == 3.0
