@@ -29,9 +29,11 @@ Every request also has a slot: its cursor and first captured block live in slot-
 arrays, and a block table ``[slots, blocks]`` mirrors its own pages. Up to ``SMALL_BATCH``
 spans or intervals (``batch_size``), plain Python over them splits them at page boundaries (a fixed set of
 array passes costs more for a few dozen); above it, array passes over the slot arrays do, with
-a shorter set for a decode step (spans of at most a page, new blocks on free pages).
-Python also runs per new page, per request that settles blocks and for the spans the arrays
-do not cover (first captures, prefix reads: ``_plan_captures``, ``_append_segments``).
+a shorter set for a decode step (spans of at most a page, new blocks on free pages). A span
+of many blocks (a prompt's chunk) is split by list extensions (``_append_page_runs``), a read
+by slices of its block map (``_append_segments``): no Python per block. Python runs per
+span the arrays do not cover (first captures, prefix reads), per request that settles
+blocks, and appends each new page to its request's block map.
 """
 
 from collections import Counter

@@ -64,7 +64,7 @@ def _model_dir(num_nextn_predict_layers: int) -> str:
                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=NUM_EXPERTS,
                 num_experts_per_tok=ROW_SHAPE[1], n_shared_experts=1, first_k_dense_replace=0, n_group=1,
                 topk_group=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                v_head_dim=32, max_position_embeddings=1024, torch_dtype="float32",
+                v_head_dim=32, max_position_embeddings=16384, torch_dtype="float32",  # room for long-prompt traces
                 num_nextn_predict_layers=num_nextn_predict_layers, rope_theta=10000.0,
             )
             with open(os.path.join(path, "config.json"), "w") as f:
