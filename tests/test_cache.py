@@ -1565,35 +1565,30 @@ def test_small_copies_by_row_equal_the_segment_copy(make_cache, monkeypatch, cas
     assert not torch.equal(results[0], before)  # the copy wrote
 
 
-@pytest.mark.parametrize("short_span_pages", [cache_module.SHORT_SPAN_PAGES, 1])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_a_spans_page_runs_are_its_rows_split_at_block_boundaries(monkeypatch, page_size, short_span_pages):
-    """``_append_page_runs`` (a loop up to ``SHORT_SPAN_PAGES`` blocks, list extensions above)
+def test_a_long_spans_page_runs_are_its_rows_split_at_block_boundaries(page_size):
+    """``_append_page_runs`` (the split of spans longer than ``SHORT_SPAN_PAGES`` blocks)
     appends one segment per block of a span to what the lists hold; row by row, its segments
     take consecutive source rows from the given one and write each position at its offset in
-    its block's page. Spans of one block to three times the threshold, starting anywhere in a
-    block and ending anywhere."""
-    monkeypatch.setattr(cache_module, "SHORT_SPAN_PAGES", short_span_pages)
+    its block's page. Spans of two blocks to three times the threshold, starting anywhere in
+    a block and ending anywhere."""
     rng = np.random.default_rng(page_size)
-    long_spans = 0
     for _ in range(300):
         start = int(rng.integers(0, 5 * page_size))
-        end = start + int(rng.integers(1, 3 * cache_module.SHORT_SPAN_PAGES * page_size + 1))
         first = start // page_size
+        end = int(rng.integers((first + 1) * page_size + 1, (first + 3 * cache_module.SHORT_SPAN_PAGES) * page_size + 1))
         pages = rng.permutation(1000)[: (end - 1) // page_size - first + 1].tolist()
         source_row = int(rng.integers(0, 100))
         lists = ([-1], [-2], [-3])  # what the lists held before
         _append_page_runs(*lists, pages, start, end, source_row, page_size)
         assert [values[0] for values in lists] == [-1, -2, -3]
         sources, targets, lengths = (values[1:] for values in lists)
-        assert len(sources) == len(targets) == len(lengths) == len(pages)
+        assert len(sources) == len(targets) == len(lengths) == len(pages) >= 2
         rows = [(source + k, target + k) for source, target, length in zip(sources, targets, lengths) for k in range(length)]
         assert rows == [
             (source_row + position - start, pages[position // page_size - first] * page_size + position % page_size)
             for position in range(start, end)
         ]
-        long_spans += len(pages) > short_span_pages
-    assert long_spans > 50
 
 
 def capture_live_step(cache, live: list, cursors: dict, expected: dict, counts: np.ndarray, gen) -> None:
@@ -1616,8 +1611,8 @@ def test_steps_with_arrivals_above_the_small_batch_equal_the_general_path(make_c
     goes through ``_write``, which plans continuing spans of at most a page each with the
     fewer array passes of ``_segments_within_pages``. The pool it leaves (rows, page states,
     published blocks, counters) equals the one the page-run split leaves, and every request
-    reads back its rows, with free pages to spare and with evictions. Also with every span of
-    more than one block split by list extensions (``SHORT_SPAN_PAGES`` 1)."""
+    reads back its rows, with free pages to spare and with evictions. Also with every span
+    longer than a page split by list extensions (``SHORT_SPAN_PAGES`` 1)."""
     monkeypatch.setattr(cache_module, "SHORT_SPAN_PAGES", short_span_pages)
     n, page_size, row_shape, arrivals, num_steps = batch_size.SMALL_BATCH + 16, 4, (3, 2), 3, 7
     leaving = n // 4  # the last quarter finishes after step 3
@@ -1857,8 +1852,8 @@ def test_small_steps_with_arrivals_equal_the_general_path(make_cache, monkeypatc
     order, pins, counters) equals the one ``_write`` leaves for every step, and every request
     reads back its rows, with free pages to spare and with evictions (where the continuing
     spans may then find too few free pages after the first captures': that step declines
-    too, changing nothing). Also with every span of more than one block split by list
-    extensions (``SHORT_SPAN_PAGES`` 1)."""
+    too, changing nothing). Also with every span longer than a page split by list extensions
+    (``SHORT_SPAN_PAGES`` 1)."""
     monkeypatch.setattr(cache_module, "SHORT_SPAN_PAGES", short_span_pages)
     n, page_size, row_shape, num_steps = 6, 4, (3, 2), 9
     leaving = 2  # the first two finish at step 4
