@@ -1,7 +1,7 @@
 """Where this project's host work per step goes: self thread-CPU time per method, per step.
 
     .venv-vllm033/bin/python bench/profile_host.py [--concurrency 16 1024] [--steps 120]
-        [--output-tokens 24 96]
+        [--output-tokens 24 96] [--prompt-tokens 16 112]
 
 Replays ``bench_host``'s trace (the installed vLLM's real scheduler) through this project's
 connector with every method of the connector, the cache, its page pool and its slot arrays
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_host import record_trace, replay  # noqa: E402
+from bench.bench_host import add_trace_arguments, record_trace, replay, trace_of, trace_suffix  # noqa: E402
 from bench.common import results_dir  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
 from routed_experts_cache.connector.cache import RoutedExpertsCache  # noqa: E402
@@ -71,8 +71,8 @@ class SelfTime:
         return originals
 
 
-def profile(concurrency: int, steps: int, output_tokens) -> str:
-    setup, events, _ = record_trace(concurrency, steps, output_tokens=output_tokens)
+def profile(concurrency: int, steps: int, trace: dict) -> str:
+    setup, events, _ = record_trace(concurrency, steps, **trace)
     replay(setup, events, build_our_connector)  # warm-up, unprofiled
     timer = SelfTime()
     originals = timer.install()
@@ -95,11 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 1024])
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"))
+    add_trace_arguments(parser)
     args = parser.parse_args()
-    trace = "" if args.output_tokens == [24, 96] else "_out{}-{}".format(*args.output_tokens)
+    trace = trace_suffix(**trace_of(args))
     for concurrency in args.concurrency:
-        text = profile(concurrency, args.steps, args.output_tokens)
+        text = profile(concurrency, args.steps, trace_of(args))
         print(f"[{concurrency} requests]\n{text}\n", flush=True)
         path = results_dir(torch.device("cpu")) / f"profile_{concurrency}_requests_vllm{VLLM_VERSION}{trace}.txt"
         path.write_text(text + "\n")
