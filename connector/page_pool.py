@@ -67,10 +67,20 @@ class PagePool:
         return page
 
     def allocate_many(self, count: int) -> list[int]:
-        """``allocate()`` ``count`` times (a plain pop per page while free pages last)."""
-        if count <= len(self.free):
-            return [self.free.popleft() for _ in range(count)]
-        return [self.allocate() for _ in range(count)]
+        """``allocate()`` ``count`` times: the free pages, then the oldest evictable ones (a
+        plain pop per page for either), then ``allocate`` for demotions."""
+        free = self.free
+        if count <= len(free):
+            return [free.popleft() for _ in range(count)]
+        pages = list(free)
+        free.clear()
+        evicted = min(count - len(pages), len(self.evictable))
+        if evicted:
+            evictable, published = self.evictable, self.published
+            pages += [published.pop(evictable.popitem(last=False)[0]) for _ in range(evicted)]
+            self.evictions += evicted
+        pages += [self.allocate() for _ in range(count - len(pages))]
+        return pages
 
     def _host_page(self) -> int:
         if self.host_free:
@@ -203,7 +213,9 @@ class PagePool:
             page = published.get(block_hash)
             if page is None:
                 continue
-            if page < num_pages and not demotable:  # the common case, inlined
+            if page < num_pages:  # ``_place`` of an unpinned device page, inlined
+                if demotable:  # a hash whose retains were just released may be there
+                    demotable.pop(block_hash, None)
                 evictable[block_hash] = None
             else:
                 self._place(block_hash)
