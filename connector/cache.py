@@ -120,8 +120,9 @@ def _append_page_runs(source_rows: list, target_rows: list, lengths: list, pages
     its blocks ``start // size`` to ``(end - 1) // size``, in order. List extensions from
     ranges and maps, no Python per block: the split of a span longer than
     ``SHORT_SPAN_PAGES`` blocks (a prompt's chunk). Twelve spans of 128 blocks cost
-    ``_plan_segments`` 4x and ``_segments_small`` 1.8x less this way than by the loops that
-    split shorter spans, which cost less below about eight blocks."""
+    ``_plan_segments`` 2.4-4x and ``_segments_small`` 1.8x less this way than by the loops
+    that split shorter spans, which cost less below about eight blocks
+    (``bench/results/2026-12-08T0010-cpu-2core-x86_64/page_runs_micro.py``)."""
     head, num_blocks = start % size, len(pages)
     block_start = source_row - head  # the source row of the first block's position 0
     source_rows.append(source_row)

@@ -151,6 +151,19 @@ def test_a_block_on_the_host_retained_again_leaves_the_host_eviction_order():
     assert not pool.problems({0}, Counter({b"a": 2}))
 
 
+def test_a_block_on_the_first_host_page_left_with_retains_only_is_not_demotable():
+    """A retained block demoted to the host (to page ``num_pages``, the first host page), read
+    there by a request: once the request unpins it, only the retain holds it, and a block on
+    the host has no device page to free: it joins no order."""
+    pool = published_pool(1, [b"a"], host_pages=1)
+    pool.retain([b"a"])
+    assert pool.allocate() == 0 and pool.published == {b"a": 1}  # demoted to host page 1
+    pool.pin([b"a"])
+    pool.unpin([b"a"])
+    assert not pool.demotable and not pool.evictable and not pool.host_evictable
+    assert not pool.problems({0}, Counter({b"a": 1}))
+
+
 def test_a_request_pin_makes_a_retained_block_stay_on_the_device():
     pool = published_pool(1, [b"a"], host_pages=1)
     pool.retain([b"a"])
