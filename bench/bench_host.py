@@ -116,10 +116,10 @@ class _RecordedPending:
         return out
 
 
-PROMPT_PREFIX_TOKENS, PROMPT_TOKENS = 96, (16, 112)
+OUTPUT_TOKENS, PROMPT_PREFIX_TOKENS, PROMPT_TOKENS = (24, 96), 96, (16, 112)  # the default trace
 
 
-def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0, output_tokens=(24, 96),
+def record_trace(concurrency: int, steps: int, seed: int = 0, lookahead: int = 0, output_tokens=OUTPUT_TOKENS,
                  prompt_tokens=PROMPT_TOKENS):
     """Run the real scheduler for ``steps`` steps at ``concurrency`` live requests, each
     generating a random number of tokens in ``output_tokens`` (short outputs: many requests
@@ -332,7 +332,7 @@ def replay_alternating(setup, events, builds: dict, rounds: int, measured=None) 
 
 def trace_suffix(output_tokens, prompt_tokens=PROMPT_TOKENS) -> str:
     """The file-name suffix of a trace: none for the default outputs (24-96 tokens) and prompts."""
-    suffix = "" if list(output_tokens) == [24, 96] else "_out{}-{}".format(*output_tokens)
+    suffix = "" if tuple(output_tokens) == OUTPUT_TOKENS else "_out{}-{}".format(*output_tokens)
     return suffix + ("" if tuple(prompt_tokens) == PROMPT_TOKENS else "_prompt{}-{}".format(*prompt_tokens))
 
 
@@ -341,8 +341,13 @@ def trace_of(args: argparse.Namespace) -> dict:
     return {"output_tokens": tuple(args.output_tokens), "prompt_tokens": tuple(args.prompt_tokens)}
 
 
+def trace_columns(trace: dict) -> dict:
+    """A result row's columns naming its trace (``trace_of``'s options as ``MIN-MAX``)."""
+    return {name: "{}-{}".format(*tokens) for name, tokens in trace.items()}
+
+
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[24, 96], metavar=("MIN", "MAX"),
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=list(OUTPUT_TOKENS), metavar=("MIN", "MAX"),
                         help="tokens each request generates (default 24 96: many arrivals and finishes per step)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=list(PROMPT_TOKENS), metavar=("MIN", "MAX"),
                         help="prompt tokens after the shared 96-token prefix (default 16 112; long prompts: "
@@ -504,8 +509,7 @@ def main() -> None:
                 capture_output=True, text=True, check=True,
             ).stdout.strip().splitlines()[-1])["rss_growth_MiB"]
             rows.append({
-                **summarize(impl, concurrency, timings[impl]), "output_tokens": "{}-{}".format(*args.output_tokens),
-                "prompt_tokens": "{}-{}".format(*args.prompt_tokens),
+                **summarize(impl, concurrency, timings[impl]), **trace_columns(trace_of(args)),
                 "requests_in_trace": trace["requests"], "rss_growth_MiB": rss,
             })
         ours, theirs, floor = rows[-3:]

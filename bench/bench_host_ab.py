@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_host import (  # noqa: E402
-    HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_of, trace_suffix,
+    HOOKS, parse_replay_arguments, record_trace, replay_alternating, same_outputs, trace_columns, trace_of, trace_suffix,
 )
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION, build_our_connector  # noqa: E402
@@ -119,8 +119,7 @@ def compare_page_pools(args, against_pool: type) -> list[dict]:
             raise SystemExit(f"{concurrency} requests: the two page pools returned different rows")
         new, old = (statistics.median(per_replay[name]) for name in pools)
         rows.append({
-            "vllm": VLLM_VERSION, "concurrency": concurrency, "output_tokens": "-".join(map(str, args.output_tokens)),
-                "prompt_tokens": "-".join(map(str, args.prompt_tokens)),
+            "vllm": VLLM_VERSION, "concurrency": concurrency, **trace_columns(trace_of(args)),
             "against": args.against, "page_pool_ms": new, "against_page_pool_ms": old, "page_pool_ratio": new / old,
             "replays": len(per_replay["this checkout"]), "page_pool_module": modules["this checkout"],
             "against_page_pool_module": modules[args.against],
@@ -166,8 +165,7 @@ def main() -> None:
                 }
             new, old = figures["this checkout"], figures[args.against]
             rows.append({
-                "vllm": VLLM_VERSION, "concurrency": concurrency, "output_tokens": "-".join(map(str, args.output_tokens)),
-                "prompt_tokens": "-".join(map(str, args.prompt_tokens)),
+                "vllm": VLLM_VERSION, "concurrency": concurrency, **trace_columns(trace_of(args)),
                 "against": args.against, "bookkeeping_ms": new["bookkeeping"], "against_bookkeeping_ms": old["bookkeeping"],
                 "bookkeeping_ratio": new["bookkeeping"] / old["bookkeeping"],
                 "bookkeeping_mean_ms": new["bookkeeping_mean"], "against_bookkeeping_mean_ms": old["bookkeeping_mean"],

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_host import (  # noqa: E402
-    TIMED, bookkeeping, builders, parse_replay_arguments, record_trace, replay_alternating, trace_of, trace_suffix,
+    TIMED, bookkeeping, builders, parse_replay_arguments, record_trace, replay_alternating, trace_columns, trace_of, trace_suffix,
 )
 from bench.common import print_table, save_csv  # noqa: E402
 from cpu_harness.vllm_scheduler import VLLM_VERSION  # noqa: E402
@@ -80,8 +80,7 @@ def main() -> None:
     for name, per_step in samples.items():
         for kind, row in by_kind(kinds, per_step).items():
             rows.append({"vllm": VLLM_VERSION, "impl": name, "concurrency": args.concurrency,
-                         "output_tokens": "-".join(map(str, args.output_tokens)),
-                         "prompt_tokens": "-".join(map(str, args.prompt_tokens)), "kind": kind, **row})
+                         **trace_columns(trace_of(args)), "kind": kind, **row})
     ours, builtin = (by_kind(kinds, samples[name]) for name in builds)
     for kind in ours:
         print(f"[{kind:>19}] {ours[kind]['steps']:>4} steps: bookkeeping {ours[kind]['bookkeeping_ms']:.3f} ms, "

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_host import (  # noqa: E402
-    BUILTIN, OutputContractFloor, bookkeeping, builders, parse_replay_arguments, record_trace, replay, total_cpu,
-    trace_of, trace_suffix,
+    BUILTIN, PROMPT_PREFIX_TOKENS, OutputContractFloor, bookkeeping, builders, parse_replay_arguments, record_trace,
+    replay, total_cpu, trace_columns, trace_of, trace_suffix,
 )
 from bench.common import results_dir, save_csv  # noqa: E402
 from bench.profile_host import SelfTime  # noqa: E402
@@ -168,8 +168,7 @@ def budget(concurrency: int, steps: int, trace: dict, rounds: int) -> dict:
     wrapped = bookkeeping(samples["wrapped"])
     typical = middle_half(wrapped)
     row = {
-        "concurrency": concurrency, "output_tokens": "{}-{}".format(*trace["output_tokens"]),
-        "prompt_tokens": "{}-{}".format(*trace["prompt_tokens"]), "steps": len(wrapped),
+        "concurrency": concurrency, **trace_columns(trace), "steps": len(wrapped),
         "builtin_ms": builtin * 1e3, "ours_bookkeeping_ms": ours * 1e3, "ratio": ours / builtin,
         "target_ratio": target_ratio(concurrency), "target_ms": target_ratio(concurrency) * builtin * 1e3,
         "over_target_ms": (ours - target_ratio(concurrency) * builtin) * 1e3,
@@ -188,7 +187,7 @@ def budget(concurrency: int, steps: int, trace: dict, rounds: int) -> dict:
 def report(row: dict) -> str:
     over = row["over_target_ms"]
     lines = [
-        f"[{row['concurrency']} requests, outputs {row['output_tokens']} tokens, prompts 96 + {row['prompt_tokens']}, vLLM {VLLM_VERSION}; {row['steps']} steps]",
+        f"[{row['concurrency']} requests, outputs {row['output_tokens']} tokens, prompts {PROMPT_PREFIX_TOKENS} + {row['prompt_tokens']}, vLLM {VLLM_VERSION}; {row['steps']} steps]",
         f"medians: built-in {row['builtin_ms']:.3f} ms/step, ours {row['ours_bookkeeping_ms']:.3f} (ratio "
         f"{row['ratio']:.2f}); target {row['target_ratio']} -> {row['target_ms']:.3f} ms: "
         + (f"{over:.3f} ms over" if over > 0 else f"met by {-over:.3f} ms") + f"; the output contract alone "
